@@ -1,0 +1,34 @@
+"""kvqueue: vLLM's free KV-cache block queue, compiled.
+
+``import kvqueue`` loads the compiled twin (``kvqueue._queue``) when it can,
+else the pure-Python one (``kvqueue._queue_py``); ``KVQUEUE_PURE=1`` forces the
+pure twin. ``IMPLEMENTATION`` says which one is live.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from ._block import KVCacheBlock
+
+__all__ = ("IMPLEMENTATION", "FreeKVCacheBlockQueue", "KVCacheBlock", "__version__")
+__version__ = "0.1.0"
+
+IMPLEMENTATION: str
+if TYPE_CHECKING:
+    from ._queue_py import FreeKVCacheBlockQueue
+elif os.environ.get("KVQUEUE_PURE", "") not in ("", "0") or sys.implementation.name != "cpython":
+    from ._queue_py import FreeKVCacheBlockQueue
+
+    IMPLEMENTATION = "python"
+else:
+    try:
+        from ._queue import FreeKVCacheBlockQueue
+
+        IMPLEMENTATION = "cython"
+    except ImportError:
+        from ._queue_py import FreeKVCacheBlockQueue
+
+        IMPLEMENTATION = "python"

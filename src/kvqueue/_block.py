@@ -1,0 +1,139 @@
+"""The KV-cache block: one slotted class shared by both queue twins."""
+
+from __future__ import annotations
+
+from types import MemberDescriptorType
+from typing import Any
+
+__all__ = ("KVCacheBlock", "check_block_type", "is_subtype")
+
+_LINKS = ("prev_free_block", "next_free_block")
+
+
+class KVCacheBlock:
+    """KV-cache block metadata, field for field vLLM's ``KVCacheBlock``.
+
+    A plain ``__slots__`` class rather than a compiled type: the 3.11+
+    specializing interpreter reads and writes slot members several times faster
+    than the getset descriptors of a Cython cdef class, and an engine touches
+    these attributes from Python on every step.
+
+    Equality and hashing are by identity. vLLM's dataclass compares field by
+    field, which walks the free-list links; no engine relies on that.
+    """
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "pool",
+        "_block_hash",
+        "_block_hash_num_tokens",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+        "__weakref__",
+    )
+    __match_args__ = (
+        "block_id",
+        "ref_cnt",
+        "_block_hash",
+        "_block_hash_num_tokens",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+    )
+
+    block_id: int
+    ref_cnt: int
+    pool: Any
+    _block_hash: Any
+    _block_hash_num_tokens: int | None
+    prev_free_block: KVCacheBlock | None
+    next_free_block: KVCacheBlock | None
+    is_null: bool
+
+    def __init__(
+        self,
+        block_id: int,
+        ref_cnt: int = 0,
+        _block_hash: Any = None,
+        _block_hash_num_tokens: int | None = None,
+        prev_free_block: KVCacheBlock | None = None,
+        next_free_block: KVCacheBlock | None = None,
+        is_null: bool = False,
+        *,
+        pool: Any = None,
+    ) -> None:
+        self.block_id = block_id
+        self.ref_cnt = ref_cnt
+        self.pool = pool
+        self._block_hash = _block_hash
+        self._block_hash_num_tokens = _block_hash_num_tokens
+        self.prev_free_block = prev_free_block
+        self.next_free_block = next_free_block
+        self.is_null = is_null
+
+    @property
+    def block_hash(self) -> Any:
+        return self._block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, block_hash: Any, num_tokens: int | None = None) -> None:
+        # An explicit raise, not ``assert``: the check must survive ``python -O``.
+        if self._block_hash is not None or self._block_hash_num_tokens is not None:
+            raise AssertionError("The block already has a hash. This should not happen.")
+        self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
+
+    def reset_hash(self) -> None:
+        """Reset the block hash when the block is evicted."""
+        self._block_hash = None
+        self._block_hash_num_tokens = None
+
+    def __repr__(self) -> str:
+        # Neighbours by id only: a full repr would recurse along the list.
+        prev_block = self.prev_free_block
+        next_block = self.next_free_block
+        prev_block_id = prev_block.block_id if prev_block else None
+        next_block_id = next_block.block_id if next_block else None
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, "
+            f"ref_cnt={self.ref_cnt}, "
+            f"_block_hash={self._block_hash!r}, "
+            f"_block_hash_num_tokens={self._block_hash_num_tokens}, "
+            f"prev_free_block={prev_block_id}, "
+            f"next_free_block={next_block_id})"
+        )
+
+
+def check_block_type(block_type: object) -> type:
+    """Return ``block_type`` if both twins can thread its instances.
+
+    The compiled twin reads and writes the two links through their slot
+    offsets, so both must be plain ``__slots__`` members; the pure twin
+    enforces the same rule so that the twins accept the same classes.
+    """
+    if not isinstance(block_type, type):
+        raise TypeError(f"block_type must be a class, not {type(block_type).__name__}")
+    for name in _LINKS:
+        descr = getattr(block_type, name, None)
+        if type(descr) is not MemberDescriptorType:
+            raise TypeError(
+                f"{block_type.__qualname__}.{name} must be a __slots__ member "
+                f"(e.g. a @dataclass(slots=True) field), not {type(descr).__name__}"
+            )
+    return block_type
+
+
+def is_subtype(obj_type: type, block_type: type) -> bool:
+    """``issubclass`` by the MRO alone, as C's ``PyType_IsSubtype`` decides.
+
+    Unlike ``isinstance`` it consults no ``__class__`` attribute and no
+    metaclass hook, so the pure twin accepts exactly the blocks the compiled
+    twin does. Only subclass instances get here (exact types are checked by
+    identity first).
+    """
+    return any(base is block_type for base in obj_type.__mro__)

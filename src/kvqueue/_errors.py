@@ -1,0 +1,76 @@
+"""Exceptions shared by both twins, so that their types and messages match.
+
+The messages of the errors vLLM raises are vLLM's, word for word: engines and
+their tests match on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def empty() -> ValueError:
+    return ValueError("No free blocks available")
+
+
+def out_of_sync(num_free_blocks: int) -> AssertionError:
+    return AssertionError(
+        f"num_free_blocks ({num_free_blocks}) is out of sync with the free list."
+    )
+
+
+def invalid_next(method: str) -> RuntimeError:
+    return RuntimeError(
+        f"Invalid block found in {method}() which doesn't have a valid next_free_block"
+    )
+
+
+def invalid_remove(block: object) -> RuntimeError:
+    return RuntimeError(f"remove() called on an invalid block: {block}")
+
+
+TAIL_LOST = "prev_free_block of fake_free_list_tail should always exist"
+HEAD_LOST = "next_free_block of fake_free_list_head should always exist"
+
+
+def too_many(n: int, num_free_blocks: int) -> AssertionError:
+    return AssertionError(
+        f"popleft_n({n}) asked for more blocks than the {num_free_blocks} free ones"
+    )
+
+
+def negative(n: int) -> ValueError:
+    return ValueError(f"popleft_n() needs n >= 0, got {n}")
+
+
+def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
+    return TypeError(
+        f"{where}: expected a {block_type.__qualname__}, "
+        f"got {type(obj).__qualname__} {obj!r:.80}"
+    )
+
+
+def corrupted(where: str, obj: object) -> RuntimeError:
+    return RuntimeError(
+        f"{where}: the free list is corrupted (a link holds {type(obj).__qualname__} "
+        f"{obj!r:.80}); were prev_free_block/next_free_block assigned outside the queue?"
+    )
+
+
+def already_linked(
+    method: str, block: object, batch: Sequence[object], index: int, sentinels: tuple[object, object]
+) -> ValueError:
+    if block is sentinels[0] or block is sentinels[1]:
+        why = "is a sentinel of this queue"
+    elif any(block is other for other in batch[:index]):
+        why = "appears more than once in the batch"
+    else:
+        why = "is already linked into a free list"
+    return ValueError(f"{method}() called on a block that {why}: {block}")
+
+
+def too_long(num_free_blocks: int) -> RuntimeError:
+    return RuntimeError(
+        f"the free list holds more than num_free_blocks ({num_free_blocks}) blocks: "
+        "it is corrupted (a cycle or a block of another queue)"
+    )

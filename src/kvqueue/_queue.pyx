@@ -1,0 +1,430 @@
+# cython: language_level=3, binding=False, always_allow_keywords=False, auto_pickle=False
+"""The compiled free-block queue: the twin of ``_queue_py``, same contract.
+
+The blocks stay instances of a plain ``__slots__`` class (fast for the engine's
+own Python code); this module reads and writes their two link slots directly
+through the offsets their member descriptors publish, with no attribute lookup.
+That makes every object the queue follows a raw memory access, so each one is
+type-checked against the queue's block class first: whatever a caller assigns
+to a link, the result is an exception, never a crash.
+
+Reference discipline: a store whose old value could be the last reference to
+an object would run that object's destructor (arbitrary Python code, maybe
+re-entering the queue) in the middle of an update. Such old values are swapped
+out into locals and released only when the queue is consistent again; a plain
+store is used only where the old value is None or held elsewhere.
+"""
+
+cimport cython
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.sequence cimport PySequence_Fast, PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
+from cpython.number cimport PyNumber_Index
+
+from kvqueue import _errors
+from kvqueue._block import KVCacheBlock, check_block_type
+
+cdef extern from *:
+    """
+    #include "structmember.h"
+    #ifndef Py_T_OBJECT_EX
+    #define Py_T_OBJECT_EX T_OBJECT_EX
+    #define Py_READONLY READONLY
+    #endif
+
+    /* Byte offset of the writable object slot behind member descriptor d, or -1. */
+    static Py_ssize_t kvq_slot_offset(PyObject *d)
+    {
+        PyMemberDescrObject *md;
+        PyMemberDef *m;
+        if (Py_TYPE(d) != &PyMemberDescr_Type) return -1;
+        md = (PyMemberDescrObject *)d;
+        m = md->d_member;
+        if (m->type != Py_T_OBJECT_EX || (m->flags & Py_READONLY)) return -1;
+        if (m->offset < (Py_ssize_t)sizeof(PyObject)
+            || m->offset + (Py_ssize_t)sizeof(PyObject *) > PyDescr_TYPE(md)->tp_basicsize)
+            return -1;
+        return m->offset;
+    }
+
+    #define KVQ_SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+    /* The link, borrowed; NULL when the slot was never set or was deleted. */
+    static inline PyObject *kvq_get(PyObject *o, Py_ssize_t off)
+    {
+        return KVQ_SLOT(o, off);
+    }
+
+    /* Store v, releasing the old value at once (it must be None or held elsewhere). */
+    static inline void kvq_set(PyObject *o, Py_ssize_t off, PyObject *v)
+    {
+        PyObject *old = KVQ_SLOT(o, off);
+        Py_INCREF(v);
+        KVQ_SLOT(o, off) = v;
+        Py_XDECREF(old);
+    }
+
+    /* Store v and return the old value as a new reference (None if unset). */
+    static inline PyObject *kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
+    {
+        PyObject *old = KVQ_SLOT(o, off);
+        Py_INCREF(v);
+        KVQ_SLOT(o, off) = v;
+        if (old == NULL) {
+            Py_INCREF(Py_None);
+            old = Py_None;
+        }
+        return old;
+    }
+
+    /* An int as Py_ssize_t, clamped instead of overflowing: out-of-range
+       counts take the same error paths as in-range ones. */
+    #define kvq_clamped_ssize(o) PyNumber_AsSsize_t((o), NULL)
+
+    static inline int kvq_is_block(PyObject *o, PyTypeObject *tp)
+    {
+        return Py_TYPE(o) == tp || PyType_IsSubtype(Py_TYPE(o), tp);
+    }
+    """
+    Py_ssize_t kvq_slot_offset(object d)
+    PyObject *kvq_get(PyObject *o, Py_ssize_t off)
+    void kvq_set(PyObject *o, Py_ssize_t off, PyObject *v)
+    object kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
+    bint kvq_is_block(PyObject *o, PyTypeObject *tp)
+    Py_ssize_t kvq_clamped_ssize(object o) except? -1
+
+
+cdef PyObject *NONE = <PyObject *>None
+
+
+cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
+    descr = getattr(block_type, name)
+    cdef Py_ssize_t offset = kvq_slot_offset(descr)
+    if offset < 0 or not issubclass(block_type, descr.__objclass__):
+        raise TypeError(f"{block_type.__qualname__}.{name} is not a writable object slot")
+    return offset
+
+
+@cython.final
+@cython.no_gc_clear
+cdef class FreeKVCacheBlockQueue:
+    """vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
+
+    The block class is that of ``blocks[0]``, or ``block_type`` (default
+    :class:`kvqueue.KVCacheBlock`); the sentinels are ``block_type(block_id=-1)``.
+    """
+
+    # no_gc_clear: the sentinels must outlive any cycle collection that runs a
+    # block's destructor which still calls into this queue; the cycle breaks at
+    # the blocks, whose slots the collector clears.
+    cdef readonly Py_ssize_t num_free_blocks
+    cdef readonly object fake_free_list_head
+    cdef readonly object fake_free_list_tail
+    cdef readonly object block_type
+    # NULL until construction finishes: every method checks it, since the
+    # collector can hand out a half-built queue to Python code.
+    cdef PyTypeObject *_tp
+    cdef Py_ssize_t _prev
+    cdef Py_ssize_t _next
+    cdef object __weakref__
+
+    def __cinit__(self, blocks, *, block_type=None):
+        seq = PySequence_Fast(blocks, "FreeKVCacheBlockQueue() needs an iterable of blocks")
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        if block_type is None:
+            block_type = type(<object>PySequence_Fast_GET_ITEM(seq, 0)) if n else KVCacheBlock
+        check_block_type(block_type)
+        self._prev = _slot_offset(block_type, "prev_free_block")
+        self._next = _slot_offset(block_type, "next_free_block")
+        if self._prev == self._next:
+            raise TypeError("prev_free_block and next_free_block must be distinct slots")
+        head = block_type(block_id=-1)
+        tail = block_type(block_id=-1)
+        cdef PyTypeObject *tp = <PyTypeObject *>block_type
+        if not (kvq_is_block(<PyObject *>head, tp) and kvq_is_block(<PyObject *>tail, tp)):
+            raise TypeError(f"{block_type.__qualname__}(block_id=-1) did not make a block")
+        kvq_set(<PyObject *>head, self._prev, NONE)
+        kvq_set(<PyObject *>head, self._next, <PyObject *>tail)
+        kvq_set(<PyObject *>tail, self._prev, <PyObject *>head)
+        kvq_set(<PyObject *>tail, self._next, NONE)
+        self.block_type = block_type
+        self.fake_free_list_head = head
+        self.fake_free_list_tail = tail
+        self._tp = tp
+        if n:
+            self._link("FreeKVCacheBlockQueue", head, tail, seq, n)
+
+    cdef inline int _check(self) except -1:
+        if self._tp is NULL:
+            raise RuntimeError("the queue is not initialized")
+        return 0
+
+    cdef PyObject *_read(self, PyObject *block, Py_ssize_t offset) except NULL:
+        """The link at ``offset``, borrowed; AttributeError if unset, as from Python."""
+        cdef PyObject *value = kvq_get(block, offset)
+        if value is NULL:
+            name = "prev_free_block" if offset == self._prev else "next_free_block"
+            raise AttributeError(f"'{type(<object>block).__name__}' object has no attribute '{name}'")
+        return value
+
+    cdef PyObject *_follow(self, PyObject *block, Py_ssize_t offset, str where) except NULL:
+        """The link at ``offset``: None or a block, else RuntimeError."""
+        cdef PyObject *value = self._read(block, offset)
+        if value is not NONE and not kvq_is_block(value, self._tp):
+            raise _errors.corrupted(where, <object>value)
+        return value
+
+    def popleft(self):
+        """Pop the first free block."""
+        self._check()
+        head = self.fake_free_list_head
+        cdef PyObject *first = self._follow(<PyObject *>head, self._next, "popleft()")
+        if first is <PyObject *>self.fake_free_list_tail or first is NONE:
+            if self.num_free_blocks != 0:
+                raise _errors.out_of_sync(self.num_free_blocks)
+            raise _errors.empty()
+        block = <object>first
+        next_block = <object>self._follow(first, self._next, "popleft()")
+        if next_block is None:
+            raise _errors.invalid_next("popleft")
+        # head.next held `block` (kept alive by the local); next.prev is swapped out.
+        kvq_set(<PyObject *>head, self._next, <PyObject *>next_block)
+        old = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>head)
+        old_prev = kvq_swap(first, self._prev, NONE)
+        kvq_set(first, self._next, NONE)
+        self.num_free_blocks -= 1
+        return block
+
+    def popleft_n(self, n, /):
+        """Pop the first ``n`` free blocks, in order."""
+        self._check()
+        # __index__ runs once, before any state is read: it may be Python code.
+        index = PyNumber_Index(n)
+        cdef Py_ssize_t count = kvq_clamped_ssize(index)
+        cdef Py_ssize_t num = self.num_free_blocks
+        cdef Py_ssize_t i
+        if count <= 0:
+            if count == 0:
+                return []
+            raise _errors.negative(index)
+        if count > num:
+            raise _errors.too_many(index, num)
+        head = self.fake_free_list_head
+        cdef PyObject *tail = <PyObject *>self.fake_free_list_tail
+        cdef PyObject *curr = self._follow(<PyObject *>head, self._next, "popleft_n()")
+        # Walk first, unlink after: a short or broken list raises untouched.
+        cdef list ret = PyList_New(count)
+        for i in range(count):
+            if curr is NONE or curr is tail:
+                raise _errors.out_of_sync(num)
+            Py_INCREF(<object>curr)
+            PyList_SET_ITEM(ret, i, <object>curr)
+            curr = self._follow(curr, self._next, "popleft_n()")
+        if curr is NONE:
+            raise _errors.invalid_next("popleft_n")
+        rest = <object>curr
+        # head.next held ret[0]; rest.prev is swapped out; the popped blocks'
+        # links point at blocks held by `ret`, `head` or `rest`.
+        kvq_set(<PyObject *>head, self._next, curr)
+        old = kvq_swap(curr, self._prev, <PyObject *>head)
+        for i in range(count):
+            kvq_set(PyList_GET_ITEM(ret, i), self._prev, NONE)
+            kvq_set(PyList_GET_ITEM(ret, i), self._next, NONE)
+        self.num_free_blocks = num - count
+        return ret
+
+    def remove(self, block, /):
+        """Take ``block`` out of the middle of the queue."""
+        self._check()
+        cdef PyObject *b = <PyObject *>block
+        if not kvq_is_block(b, self._tp):
+            raise _errors.not_a_block(block, self.block_type, "remove()")
+        prev_block = <object>self._follow(b, self._prev, "remove()")
+        next_block = <object>self._follow(b, self._next, "remove()")
+        if prev_block is None or next_block is None:
+            raise _errors.invalid_remove(block)
+        old_next = kvq_swap(<PyObject *>prev_block, self._next, <PyObject *>next_block)
+        old_prev = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>prev_block)
+        kvq_set(b, self._prev, NONE)
+        kvq_set(b, self._next, NONE)
+        self.num_free_blocks -= 1
+
+    def append(self, block, /):
+        """Put ``block`` at the end of the queue (evicted last)."""
+        self._check()
+        tail = self.fake_free_list_tail
+        last_block = <object>self._follow(<PyObject *>tail, self._prev, "append()")
+        if last_block is None:
+            raise RuntimeError(_errors.TAIL_LOST)
+        cdef PyObject *b = <PyObject *>block
+        if not kvq_is_block(b, self._tp):
+            raise _errors.not_a_block(block, self.block_type, "append()")
+        if self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE:
+            raise _errors.already_linked(
+                "append", block, (), 0, (self.fake_free_list_head, tail)
+            )
+        old_next = kvq_swap(<PyObject *>last_block, self._next, b)
+        kvq_set(b, self._prev, <PyObject *>last_block)
+        kvq_set(b, self._next, <PyObject *>tail)
+        kvq_set(<PyObject *>tail, self._prev, b)
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks, /):
+        """Put ``blocks`` at the end of the queue, in order."""
+        self._check()
+        seq = PySequence_Fast(blocks, "append_n() needs an iterable of blocks")
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        if n == 0:
+            return
+        tail = self.fake_free_list_tail
+        last_block = <object>self._follow(<PyObject *>tail, self._prev, "append_n()")
+        if last_block is None:
+            raise AssertionError(_errors.TAIL_LOST)
+        self._link("append_n", last_block, tail, seq, n)
+
+    def prepend_n(self, blocks, /):
+        """Put ``blocks`` at the front of the queue (evicted first), in order."""
+        self._check()
+        seq = PySequence_Fast(blocks, "prepend_n() needs an iterable of blocks")
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        if n == 0:
+            return
+        head = self.fake_free_list_head
+        first_block = <object>self._follow(<PyObject *>head, self._next, "prepend_n()")
+        if first_block is None:
+            raise AssertionError(_errors.HEAD_LOST)
+        self._link("prepend_n", head, first_block, seq, n)
+
+    cdef int _link(self, str method, object left, object right, object seq, Py_ssize_t n) except -1:
+        """Link the ``n`` > 0 blocks of list or tuple ``seq`` between two blocks.
+
+        Each block is checked as it is linked; on the first bad one the links
+        made so far are undone. A block seen twice is caught because its first
+        visit already gave it a ``prev_free_block``. No Python code can run
+        inside the loop (every old value replaced is None), so ``seq`` cannot
+        change under it.
+        """
+        cdef Py_ssize_t i
+        cdef PyObject *b
+        cdef PyObject *prev_link
+        cdef PyObject *next_link
+        cdef PyObject *prev = <PyObject *>left
+        cdef PyTypeObject *tp = self._tp
+        cdef Py_ssize_t P = self._prev
+        cdef Py_ssize_t N = self._next
+        for i in range(n):
+            b = PySequence_Fast_GET_ITEM(seq, i)
+            if kvq_is_block(b, tp):
+                prev_link = kvq_get(b, P)
+                next_link = kvq_get(b, N)
+                if prev_link is NONE and next_link is NONE:
+                    kvq_set(b, P, prev)
+                    if i:
+                        kvq_set(prev, N, b)
+                    prev = b
+                    continue
+            self._unlink_run(seq, i)
+            block = <object>b
+            if not kvq_is_block(b, tp):
+                raise _errors.not_a_block(block, self.block_type, f"{method}()")
+            self._read(b, P)
+            self._read(b, N)
+            raise _errors.already_linked(
+                method, block, seq, i, (self.fake_free_list_head, self.fake_free_list_tail)
+            )
+        kvq_set(prev, N, <PyObject *>right)
+        old_prev = kvq_swap(<PyObject *>right, P, prev)
+        old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
+        self.num_free_blocks += n
+        return 0
+
+    cdef void _unlink_run(self, object seq, Py_ssize_t count) noexcept:
+        """Clear the links of the first ``count`` blocks of ``seq`` (all held by it)."""
+        cdef Py_ssize_t i
+        cdef PyObject *b
+        for i in range(count):
+            b = PySequence_Fast_GET_ITEM(seq, i)
+            kvq_set(b, self._prev, NONE)
+            kvq_set(b, self._next, NONE)
+
+    def get_all_free_blocks(self):
+        """All free blocks in eviction order (a snapshot)."""
+        self._check()
+        cdef PyObject *curr = self._follow(
+            <PyObject *>self.fake_free_list_head, self._next, "get_all_free_blocks()"
+        )
+        if curr is NONE:
+            raise RuntimeError(_errors.HEAD_LOST)
+        cdef Py_ssize_t limit = self.num_free_blocks
+        cdef PyObject *next_block
+        cdef list ret = []
+        while True:
+            next_block = self._follow(curr, self._next, "get_all_free_blocks()")
+            if next_block is NONE:
+                return ret
+            if len(ret) >= limit:
+                raise _errors.too_long(limit)
+            ret.append(<object>curr)
+            curr = next_block
+
+    def iter_blocks_after(self, cursor, /):
+        """Iterate the free blocks after ``cursor`` (None: from the front).
+
+        Lazy like vLLM's generator: each successor is read when it is asked
+        for, so the iterator follows the live list across mutations.
+        """
+        self._check()
+        if cursor is None:
+            return _BlockIterator(self, self.fake_free_list_head)
+        if not kvq_is_block(<PyObject *>cursor, self._tp):
+            raise _errors.not_a_block(cursor, self.block_type, "iter_blocks_after()")
+        return _BlockIterator(self, cursor)
+
+    def __iter__(self):
+        self._check()
+        return _BlockIterator(self, self.fake_free_list_head)
+
+    def __len__(self):
+        return self.num_free_blocks
+
+    def __repr__(self):
+        name = "uninitialized" if self._tp is NULL else self.block_type.__qualname__
+        return (
+            f"<{type(self).__qualname__} num_free_blocks={self.num_free_blocks} "
+            f"block_type={name}>"
+        )
+
+
+@cython.final
+cdef class _BlockIterator:
+    """The lazy cursor behind ``iter_blocks_after``: it holds the last block it
+    yielded and reads that block's successor only on the next ``next()``."""
+
+    cdef FreeKVCacheBlockQueue _queue
+    # The last block yielded (or the start); None once exhausted, for good.
+    cdef object _curr
+
+    def __cinit__(self, FreeKVCacheBlockQueue queue not None, curr):
+        # Reachable from Python as type(it)(...): check what is handed in.
+        queue._check()
+        if curr is not None and not kvq_is_block(<PyObject *>curr, queue._tp):
+            raise _errors.not_a_block(curr, queue.block_type, "iter_blocks_after()")
+        self._queue = queue
+        self._curr = curr
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._curr is None:
+            raise StopIteration
+        queue = self._queue
+        cdef PyObject *next_block = queue._follow(
+            <PyObject *>self._curr, queue._next, "iter_blocks_after()"
+        )
+        if next_block is NONE or next_block is <PyObject *>queue.fake_free_list_tail:
+            self._curr = None
+            raise StopIteration
+        self._curr = <object>next_block
+        return self._curr
