@@ -1,0 +1,30 @@
+# Each target makes its own virtual environment, so these work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SOURCES := pyproject.toml setup.py $(wildcard src/kvqueue/*)
+
+.PHONY: test bench lint clean
+
+$(VENV)/.ready: $(SOURCES)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q ".[test,lint]" hypothesis
+	touch $@
+
+# The suite runs against the installed package, never against src/.
+test: $(VENV)/.ready
+	$(PY) -c "import kvqueue, sys; print(sys.version.split()[0], kvqueue.IMPLEMENTATION)"
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.ready
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+	$(PY) -m mypy
+	$(VENV)/bin/cython-lint src/kvqueue/_queue.pyx
+
+bench: $(VENV)/.ready
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+clean:
+	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/*.c

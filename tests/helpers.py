@@ -1,0 +1,46 @@
+"""State checks shared by the behavioural, model and fuzz tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+Snapshot = tuple[int, tuple[tuple[int, int, int], ...]]
+
+
+def snapshot(queue: Any, blocks: Iterable[Any]) -> Snapshot:
+    """The whole observable state: the count, and every block's two links by identity.
+
+    The sentinels are included, so any write anywhere shows up.
+    """
+    everything = [queue.fake_free_list_head, queue.fake_free_list_tail, *blocks]
+    return queue.num_free_blocks, tuple(
+        (id(b), id(b.prev_free_block), id(b.next_free_block)) for b in everything
+    )
+
+
+def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) -> None:
+    """Assert that ``queue`` holds exactly ``expected``, in order, and is well formed.
+
+    Checks the count, both directions of every link, the sentinels, the
+    iteration APIs, and that every block not in the queue is fully detached.
+    """
+    head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
+    assert queue.num_free_blocks == len(expected) == len(queue)
+    assert head.block_id == tail.block_id == -1
+    assert head.prev_free_block is None
+    assert tail.next_free_block is None
+    chain = [head, *expected, tail]
+    for left, right in zip(chain, chain[1:]):
+        assert left.next_free_block is right, (left, right)
+        assert right.prev_free_block is left, (left, right)
+    listed = queue.get_all_free_blocks()
+    assert len(listed) == len(expected)
+    assert all(a is b for a, b in zip(listed, expected))
+    assert all(a is b for a, b in zip(queue.iter_blocks_after(None), expected))
+    assert sum(1 for _ in queue) == len(expected)
+    members = {id(b) for b in expected}
+    for block in all_blocks:
+        if id(block) not in members:
+            assert block.prev_free_block is None, block
+            assert block.next_free_block is None, block
