@@ -74,3 +74,7 @@ def too_long(num_free_blocks: int) -> RuntimeError:
         f"the free list holds more than num_free_blocks ({num_free_blocks}) blocks: "
         "it is corrupted (a cycle or a block of another queue)"
     )
+
+
+def not_iterable(method: str) -> str:
+    return f"{method}() needs an iterable of blocks"

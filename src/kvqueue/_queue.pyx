@@ -17,7 +17,7 @@ store is used only where the old value is None or held elsewhere.
 
 cimport cython
 from cpython.object cimport PyObject, PyTypeObject
-from cpython.sequence cimport PySequence_Fast, PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
+from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from cpython.number cimport PyNumber_Index
@@ -98,6 +98,17 @@ cdef extern from *:
 cdef PyObject *NONE = <PyObject *>None
 
 
+cdef object _as_sequence(object blocks, str method):
+    """``blocks`` as a list or tuple; the twin of ``_queue_py._as_sequence``."""
+    if type(blocks) is list or type(blocks) is tuple:
+        return blocks
+    try:
+        iterator = iter(blocks)
+    except TypeError:
+        raise TypeError(_errors.not_iterable(method)) from None
+    return list(iterator)
+
+
 cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
     descr = getattr(block_type, name)
     cdef Py_ssize_t offset = kvq_slot_offset(descr)
@@ -130,7 +141,7 @@ cdef class FreeKVCacheBlockQueue:
     cdef object __weakref__
 
     def __cinit__(self, blocks, *, block_type=None):
-        seq = PySequence_Fast(blocks, "FreeKVCacheBlockQueue() needs an iterable of blocks")
+        seq = _as_sequence(blocks, "FreeKVCacheBlockQueue")
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if block_type is None:
             block_type = type(<object>PySequence_Fast_GET_ITEM(seq, 0)) if n else KVCacheBlock
@@ -273,7 +284,7 @@ cdef class FreeKVCacheBlockQueue:
     def append_n(self, blocks, /):
         """Put ``blocks`` at the end of the queue, in order."""
         self._check()
-        seq = PySequence_Fast(blocks, "append_n() needs an iterable of blocks")
+        seq = _as_sequence(blocks, "append_n")
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if n == 0:
             return
@@ -286,7 +297,7 @@ cdef class FreeKVCacheBlockQueue:
     def prepend_n(self, blocks, /):
         """Put ``blocks`` at the front of the queue (evicted first), in order."""
         self._check()
-        seq = PySequence_Fast(blocks, "prepend_n() needs an iterable of blocks")
+        seq = _as_sequence(blocks, "prepend_n")
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if n == 0:
             return

@@ -49,7 +49,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         raise TypeError("FreeKVCacheBlockQueue is not an acceptable base type")
 
     def __init__(self, blocks: Iterable[B], *, block_type: type[B] | None = None) -> None:
-        blocks = _as_sequence(blocks)
+        blocks = _as_sequence(blocks, "FreeKVCacheBlockQueue")
         if block_type is None:
             block_type = type(blocks[0]) if blocks else cast("type[B]", KVCacheBlock)
         check_block_type(block_type)
@@ -176,7 +176,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     def append_n(self, blocks: Iterable[B], /) -> None:
         """Put ``blocks`` at the end of the queue, in order."""
-        blocks = _as_sequence(blocks)
+        blocks = _as_sequence(blocks, "append_n")
         if not blocks:
             return
         tail: Any = self._tail
@@ -187,7 +187,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     def prepend_n(self, blocks: Iterable[B], /) -> None:
         """Put ``blocks`` at the front of the queue (evicted first), in order."""
-        blocks = _as_sequence(blocks)
+        blocks = _as_sequence(blocks, "prepend_n")
         if not blocks:
             return
         head: Any = self._head
@@ -277,12 +277,19 @@ class FreeKVCacheBlockQueue(Generic[B]):
         )
 
 
-def _as_sequence(blocks: Iterable[B]) -> tuple[B, ...] | list[B]:
-    # Materialize any other iterable before the first link is touched, so that
-    # its side effects cannot run in the middle of an update.
+def _as_sequence(blocks: Iterable[B], method: str) -> tuple[B, ...] | list[B]:
+    """``blocks`` as a list or tuple, as C's ``PySequence_Fast`` gives it.
+
+    Any other iterable is materialized before the first link is touched, so
+    that its side effects cannot run in the middle of an update.
+    """
     if type(blocks) is list or type(blocks) is tuple:
         return blocks
-    return list(blocks)
+    try:
+        iterator = iter(blocks)
+    except TypeError:
+        raise TypeError(_errors.not_iterable(method)) from None
+    return list(iterator)
 
 
 def _unlink_run(first: Any, last: Any, left: Any) -> int:

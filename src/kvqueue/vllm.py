@@ -1,0 +1,257 @@
+"""Drop kvqueue's queue into an installed vLLM: ``kvqueue.vllm.install()``.
+
+vLLM's ``BlockPool`` builds its free list with the name ``FreeKVCacheBlockQueue``
+that ``vllm.v1.core.block_pool`` imports from ``vllm.v1.core.kv_cache_utils``.
+:func:`install` rebinds that name, in both modules (and in any other loaded
+``vllm.*`` module that imported it), to kvqueue's ``FreeKVCacheBlockQueue``.
+vLLM's own ``KVCacheBlock`` is left unchanged: the queue threads the blocks it
+is built from, whatever their class. Pools built after :func:`install` use
+kvqueue; pools built before keep the queue they have.
+
+Before it patches anything, :func:`install` checks the installed vLLM: its
+version must be one whose block layout is known (0.30 to 0.33), its
+``KVCacheBlock`` must have exactly the known fields with ``__slots__`` links,
+and every public method of vLLM's queue must exist on kvqueue's. Anything else
+raises :class:`VLLMLayoutError` and leaves vLLM untouched.
+
+Importing this module does not import vLLM; :func:`install` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, Literal
+
+from ._block import check_block_type
+
+__all__ = (
+    "KNOWN_VERSIONS",
+    "VLLMLayoutError",
+    "install",
+    "installed",
+    "patched",
+    "uninstall",
+)
+
+Implementation = Literal["auto", "cython", "python"]
+
+#: The vLLM minor versions whose ``KVCacheBlock`` / ``BlockPool`` layout kvqueue knows
+#: (0.30 and 0.33 were checked against their source; the field check below guards any other).
+KNOWN_VERSIONS: tuple[tuple[int, int], ...] = ((0, 30), (0, 31), (0, 32), (0, 33))
+
+#: ``dataclasses.fields(vllm.v1.core.kv_cache_utils.KVCacheBlock)``, in order.
+KNOWN_BLOCK_FIELDS: tuple[str, ...] = (
+    "block_id",
+    "ref_cnt",
+    "pool",
+    "_block_hash",
+    "_block_hash_num_tokens",
+    "prev_free_block",
+    "next_free_block",
+    "is_null",
+)
+
+_UTILS = "vllm.v1.core.kv_cache_utils"
+_POOL = "vllm.v1.core.block_pool"
+_NAME = "FreeKVCacheBlockQueue"
+
+
+class VLLMLayoutError(RuntimeError):
+    """The installed vLLM is not one kvqueue knows how to patch; nothing was changed."""
+
+
+@dataclasses.dataclass
+class _Installed:
+    implementation: str
+    queue_class: type
+    # Every (module, original value) whose FreeKVCacheBlockQueue name was rebound.
+    originals: list[tuple[ModuleType, Any]]
+
+
+_lock = threading.RLock()
+_state: _Installed | None = None
+
+
+def install(implementation: Implementation = "auto", *, check_version: bool = True) -> type:
+    """Make vLLM's block pools use kvqueue's ``FreeKVCacheBlockQueue``; return that class.
+
+    ``implementation`` is ``"auto"`` (whatever ``import kvqueue`` picked), ``"cython"`` or
+    ``"python"``. Calling it again is a no-op, or switches the implementation.
+    ``check_version=False`` skips the version check only; the block layout is always checked.
+
+    Raises :class:`VLLMLayoutError` on a vLLM it does not know, ``ImportError`` when vLLM
+    (or the requested implementation) cannot be imported.
+    """
+    global _state
+    queue_class, name = _queue_class(implementation)
+    with _lock:
+        if _state is not None:
+            if _state.queue_class is queue_class:
+                return queue_class
+            for module, _original in _state.originals:
+                if getattr(module, _NAME, None) is _state.queue_class:
+                    setattr(module, _NAME, queue_class)
+            _state.queue_class = queue_class
+            _state.implementation = name
+            return queue_class
+
+        vllm = importlib.import_module("vllm")
+        if check_version:
+            _check_version(vllm)
+        utils = importlib.import_module(_UTILS)
+        original = getattr(utils, _NAME, None)
+        if not isinstance(original, type):
+            raise VLLMLayoutError(f"{_UTILS} defines no {_NAME} class")
+        _check_block_class(getattr(utils, "KVCacheBlock", None))
+        _check_queue_api(original, queue_class)
+        # Importing the pool binds its own name to vLLM's class; that is the one used.
+        pool = importlib.import_module(_POOL)
+        if getattr(pool, _NAME, None) is not original:
+            raise VLLMLayoutError(
+                f"{_POOL}.{_NAME} is not {_UTILS}.{_NAME} "
+                f"(found {getattr(pool, _NAME, None)!r}): was it patched by someone else?"
+            )
+        modules = [utils, pool]
+        modules += [
+            module
+            for key, module in list(sys.modules.items())
+            if key.startswith("vllm.")
+            and module is not None
+            and module is not utils
+            and module is not pool
+            and getattr(module, _NAME, None) is original
+        ]
+        originals = [(module, original) for module in modules]
+        for module in modules:
+            setattr(module, _NAME, queue_class)
+        _state = _Installed(name, queue_class, originals)
+        return queue_class
+
+
+def uninstall() -> bool:
+    """Give vLLM its own queue back; False if kvqueue was not installed.
+
+    A name that someone else rebound after :func:`install` is left as they set it.
+    Pools built while kvqueue was installed keep their kvqueue queues.
+    """
+    global _state
+    with _lock:
+        if _state is None:
+            return False
+        for module, original in _state.originals:
+            if getattr(module, _NAME, None) is _state.queue_class:
+                setattr(module, _NAME, original)
+        _state = None
+        return True
+
+
+def installed() -> str | None:
+    """The implementation installed into vLLM (``"cython"`` or ``"python"``), or None."""
+    with _lock:
+        return None if _state is None else _state.implementation
+
+
+@contextmanager
+def patched(implementation: Implementation = "auto") -> Iterator[type]:
+    """``with kvqueue.vllm.patched():`` install for the block only (if not installed before)."""
+    was = installed()
+    queue_class = install(implementation)
+    try:
+        yield queue_class
+    finally:
+        if was is None:
+            uninstall()
+        else:
+            install(_as_implementation(was), check_version=False)
+
+
+def _as_implementation(name: str) -> Implementation:
+    return "cython" if name == "cython" else "python"
+
+
+def _queue_class(implementation: str) -> tuple[type, str]:
+    if implementation == "auto":
+        import kvqueue
+
+        return kvqueue.FreeKVCacheBlockQueue, kvqueue.IMPLEMENTATION
+    if implementation == "cython":
+        try:
+            from ._queue import FreeKVCacheBlockQueue as compiled
+        except ImportError as exc:
+            raise ImportError(
+                f"kvqueue's compiled queue is not available ({exc}); "
+                "use install('python') or install('auto')"
+            ) from exc
+        return compiled, "cython"
+    if implementation == "python":
+        from ._queue_py import FreeKVCacheBlockQueue as pure
+
+        return pure, "python"
+    raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {implementation!r}")
+
+
+def _parse_version(text: str) -> tuple[int, int] | None:
+    parts = text.split(".")
+    if len(parts) < 2:
+        return None
+    minor = ""
+    for char in parts[1]:
+        if not char.isdigit():
+            break
+        minor += char
+    if not parts[0].isdigit() or not minor:
+        return None
+    return int(parts[0]), int(minor)
+
+
+def _check_version(vllm: ModuleType) -> None:
+    version = getattr(vllm, "__version__", None)
+    if not isinstance(version, str):
+        try:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version("vllm")
+        except Exception as exc:
+            raise VLLMLayoutError(
+                "cannot tell the installed vLLM's version (no vllm.__version__); "
+                "install(check_version=False) skips this check"
+            ) from exc
+    if _parse_version(version) not in KNOWN_VERSIONS:
+        known = ", ".join(f"{major}.{minor}" for major, minor in KNOWN_VERSIONS)
+        raise VLLMLayoutError(
+            f"kvqueue.vllm knows the block layout of vLLM {known}, not of vLLM {version}; "
+            "install(check_version=False) skips the version check (the block class's "
+            "fields are still checked)"
+        )
+
+
+def _check_block_class(block_class: object) -> None:
+    if not isinstance(block_class, type) or not dataclasses.is_dataclass(block_class):
+        raise VLLMLayoutError(f"{_UTILS}.KVCacheBlock is not a dataclass: {block_class!r}")
+    fields = tuple(f.name for f in dataclasses.fields(block_class))
+    if fields != KNOWN_BLOCK_FIELDS:
+        raise VLLMLayoutError(
+            f"{_UTILS}.KVCacheBlock has fields {fields}, not the known {KNOWN_BLOCK_FIELDS}"
+        )
+    try:
+        check_block_type(block_class)
+    except TypeError as exc:
+        raise VLLMLayoutError(f"{_UTILS}.KVCacheBlock: {exc}") from exc
+
+
+def _check_queue_api(original: type, queue_class: type) -> None:
+    missing = sorted(
+        name
+        for name in vars(original)
+        if not name.startswith("_") and not hasattr(queue_class, name)
+    )
+    if missing:
+        raise VLLMLayoutError(
+            f"vLLM's {_NAME} has methods kvqueue's lacks: {', '.join(missing)}"
+        )

@@ -1,0 +1,258 @@
+"""Every queue method on valid input, on both twins and both block layouts."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+from blocks import BLOCK_CLASSES, SubBlock
+from helpers import check_queue
+
+from kvqueue import KVCacheBlock
+
+
+@pytest.fixture(params=BLOCK_CLASSES, ids=lambda cls: cls.__name__)
+def block_cls(request: pytest.FixtureRequest) -> type[Any]:
+    cls: type[Any] = request.param
+    return cls
+
+
+def make(queue_mod: ModuleType, block_cls: type[Any], n: int) -> tuple[Any, list[Any]]:
+    blocks = [block_cls(i) for i in range(n)]
+    return queue_mod.FreeKVCacheBlockQueue(blocks), blocks
+
+
+def test_construction_links_blocks_in_order(queue_mod: ModuleType, block_cls: type[Any]) -> None:
+    queue, blocks = make(queue_mod, block_cls, 5)
+    check_queue(queue, blocks, blocks)
+    assert type(queue.fake_free_list_head) is block_cls
+    assert type(queue.fake_free_list_tail) is block_cls
+    assert queue.fake_free_list_head is not queue.fake_free_list_tail
+    assert queue.block_type is block_cls
+
+
+def test_empty_queue(queue_mod: ModuleType) -> None:
+    queue = queue_mod.FreeKVCacheBlockQueue([])
+    check_queue(queue, [], [])
+    assert queue.block_type is KVCacheBlock
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    assert queue.get_all_free_blocks() == []
+    assert list(queue.iter_blocks_after(None)) == []
+
+
+def test_block_type_keyword_for_an_empty_queue(
+    queue_mod: ModuleType, block_cls: type[Any]
+) -> None:
+    queue = queue_mod.FreeKVCacheBlockQueue([], block_type=block_cls)
+    assert type(queue.fake_free_list_head) is block_cls
+    block = block_cls(7)
+    queue.append(block)
+    check_queue(queue, [block], [block])
+
+
+def test_construction_from_any_iterable(queue_mod: ModuleType) -> None:
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    queue = queue_mod.FreeKVCacheBlockQueue(b for b in blocks)
+    check_queue(queue, blocks, blocks)
+    blocks2 = tuple(KVCacheBlock(i) for i in range(3))
+    check_queue(queue_mod.FreeKVCacheBlockQueue(blocks2), list(blocks2), blocks2)
+
+
+def test_popleft(queue_mod: ModuleType, block_cls: type[Any]) -> None:
+    queue, blocks = make(queue_mod, block_cls, 3)
+    assert queue.popleft() is blocks[0]
+    check_queue(queue, blocks[1:], blocks)
+    assert queue.popleft() is blocks[1]
+    assert queue.popleft() is blocks[2]
+    check_queue(queue, [], blocks)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 8])
+def test_popleft_n(queue_mod: ModuleType, block_cls: type[Any], n: int) -> None:
+    queue, blocks = make(queue_mod, block_cls, 8)
+    popped = queue.popleft_n(n)
+    assert type(popped) is list
+    assert len(popped) == n
+    assert all(a is b for a, b in zip(popped, blocks[:n]))
+    check_queue(queue, blocks[n:], blocks)
+
+
+def test_popleft_n_accepts_index_objects(queue_mod: ModuleType) -> None:
+    class Two:
+        def __index__(self) -> int:
+            return 2
+
+    queue, blocks = make(queue_mod, KVCacheBlock, 4)
+    assert [b.block_id for b in queue.popleft_n(Two())] == [0, 1]
+    assert [b.block_id for b in queue.popleft_n(True)] == [2]
+    check_queue(queue, blocks[3:], blocks)
+
+
+def test_popleft_n_zero_on_an_empty_queue(queue_mod: ModuleType) -> None:
+    queue = queue_mod.FreeKVCacheBlockQueue([])
+    assert queue.popleft_n(0) == []
+
+
+@pytest.mark.parametrize("index", [0, 2, 4])
+def test_remove(queue_mod: ModuleType, block_cls: type[Any], index: int) -> None:
+    queue, blocks = make(queue_mod, block_cls, 5)
+    queue.remove(blocks[index])
+    check_queue(queue, blocks[:index] + blocks[index + 1 :], blocks)
+
+
+def test_remove_every_block(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 4)
+    for block in (blocks[2], blocks[0], blocks[3], blocks[1]):
+        queue.remove(block)
+    check_queue(queue, [], blocks)
+    queue.append(blocks[1])
+    check_queue(queue, [blocks[1]], blocks)
+
+
+def test_append(queue_mod: ModuleType, block_cls: type[Any]) -> None:
+    queue, blocks = make(queue_mod, block_cls, 3)
+    first = queue.popleft()
+    queue.append(first)
+    check_queue(queue, [blocks[1], blocks[2], first], blocks)
+
+
+def test_append_to_an_empty_queue(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 1)
+    block = queue.popleft()
+    queue.append(block)
+    check_queue(queue, blocks, blocks)
+
+
+def test_append_n_and_prepend_n(queue_mod: ModuleType, block_cls: type[Any]) -> None:
+    queue, blocks = make(queue_mod, block_cls, 6)
+    a = queue.popleft_n(2)
+    b = queue.popleft_n(2)
+    queue.append_n(a)
+    check_queue(queue, [*blocks[4:], *a], blocks)
+    queue.prepend_n(b)
+    check_queue(queue, [*b, *blocks[4:], *a], blocks)
+
+
+def test_batches_on_an_empty_queue(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 4)
+    taken = queue.popleft_n(4)
+    queue.prepend_n(taken[:2])
+    check_queue(queue, taken[:2], blocks)
+    queue.popleft_n(2)
+    queue.append_n(taken[2:])
+    check_queue(queue, taken[2:], blocks)
+
+
+def test_batches_accept_tuples_and_iterables(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 6)
+    taken = queue.popleft_n(6)
+    queue.append_n(tuple(taken[:2]))
+    queue.prepend_n(b for b in taken[2:4])
+    queue.append_n(iter(taken[4:]))
+    check_queue(queue, [*taken[2:4], *taken[:2], *taken[4:]], blocks)
+
+
+def test_empty_batches_are_no_ops(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 2)
+    queue.append_n([])
+    queue.prepend_n(())
+    check_queue(queue, blocks, blocks)
+
+
+def test_iter_blocks_after(queue_mod: ModuleType, block_cls: type[Any]) -> None:
+    queue, blocks = make(queue_mod, block_cls, 5)
+    assert all(a is b for a, b in zip(queue.iter_blocks_after(None), blocks, strict=True))
+    after = list(queue.iter_blocks_after(blocks[2]))
+    assert [b.block_id for b in after] == [3, 4]
+    assert list(queue.iter_blocks_after(blocks[4])) == []
+
+
+def test_iter_blocks_after_is_lazy(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 5)
+    it = queue.iter_blocks_after(None)
+    # Nothing is read until the first next(): the popleft is seen.
+    queue.popleft()
+    assert next(it) is blocks[1]
+    queue.remove(blocks[2])
+    assert next(it) is blocks[3]
+    queue.append(blocks[2])
+    assert [b.block_id for b in it] == [4, 2]
+    queue.append(queue.popleft())
+    assert list(it) == []
+
+
+def test_iter_cursor_stops_when_its_block_leaves(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 4)
+    it = queue.iter_blocks_after(None)
+    assert next(it) is blocks[0]
+    queue.remove(blocks[0])
+    # vLLM's generator reads the detached block's next link (None) and stops.
+    assert list(it) == []
+    check_queue(queue, blocks[1:], blocks)
+
+
+def test_iter_and_len(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 3)
+    assert len(queue) == 3
+    assert all(a is b for a, b in zip(iter(queue), blocks, strict=True))
+    queue.popleft()
+    assert len(queue) == 2
+    assert isinstance(iter(queue), Iterator)
+
+
+def test_repr(queue_mod: ModuleType) -> None:
+    queue, _ = make(queue_mod, KVCacheBlock, 3)
+    assert repr(queue) == "<FreeKVCacheBlockQueue num_free_blocks=3 block_type=KVCacheBlock>"
+
+
+def test_state_attributes_are_read_only(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 2)
+    for name in ("num_free_blocks", "fake_free_list_head", "fake_free_list_tail", "block_type"):
+        with pytest.raises(AttributeError):
+            setattr(queue, name, None)
+    with pytest.raises(AttributeError):
+        queue.other = 1
+    check_queue(queue, blocks, blocks)
+
+
+def test_queue_is_not_subclassable(queue_mod: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        type("Sub", (queue_mod.FreeKVCacheBlockQueue,), {})
+
+
+def test_subclass_blocks_mix_with_their_base(queue_mod: ModuleType) -> None:
+    plain = [KVCacheBlock(0), KVCacheBlock(1)]
+    queue = queue_mod.FreeKVCacheBlockQueue(plain)
+    sub = SubBlock(2)
+    queue.append(sub)
+    queue.append_n([SubBlock(3)])
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 1, 2, 3]
+    queue.remove(sub)
+    assert [b.block_id for b in queue] == [0, 1, 3]
+
+
+def test_queue_of_subclass_rejects_base_blocks(queue_mod: ModuleType) -> None:
+    queue = queue_mod.FreeKVCacheBlockQueue([SubBlock(0)])
+    assert queue.block_type is SubBlock
+    with pytest.raises(TypeError):
+        queue.append(KVCacheBlock(1))
+
+
+def test_queue_and_blocks_are_collected(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 10)
+    refs = [weakref.ref(queue), weakref.ref(blocks[0]), weakref.ref(queue.fake_free_list_head)]
+    del queue, blocks
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_a_long_queue_is_freed_without_recursion(queue_mod: ModuleType) -> None:
+    # Freeing a long chain must not recurse once per block in C.
+    queue = queue_mod.FreeKVCacheBlockQueue([KVCacheBlock(i) for i in range(200_000)])
+    assert len(queue) == 200_000
+    del queue
+    gc.collect()
