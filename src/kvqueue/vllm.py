@@ -252,6 +252,4 @@ def _check_queue_api(original: type, queue_class: type) -> None:
         if not name.startswith("_") and not hasattr(queue_class, name)
     )
     if missing:
-        raise VLLMLayoutError(
-            f"vLLM's {_NAME} has methods kvqueue's lacks: {', '.join(missing)}"
-        )
+        raise VLLMLayoutError(f"vLLM's {_NAME} has methods kvqueue's lacks: {', '.join(missing)}")

@@ -1,0 +1,342 @@
+"""kvqueue.vllm against a fake vLLM module tree (the real code is in test_vllm_engine.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+from blocks import VllmStyleBlock
+
+import kvqueue
+import kvqueue.vllm as kv_vllm
+
+UTILS = "vllm.v1.core.kv_cache_utils"
+POOL = "vllm.v1.core.block_pool"
+
+
+class VllmQueue:
+    """Stands in for vLLM's own queue: the public API is what the drop-in compares."""
+
+    def __init__(self, blocks: list[Any]) -> None:
+        self.blocks = blocks
+
+    def popleft(self) -> Any:
+        return self.blocks[0]
+
+    def popleft_n(self, n: int) -> Any: ...
+    def remove(self, block: Any) -> None: ...
+    def append(self, block: Any) -> None: ...
+    def prepend_n(self, blocks: Any) -> None: ...
+    def append_n(self, blocks: Any) -> None: ...
+    def get_all_free_blocks(self) -> Any: ...
+    def iter_blocks_after(self, cursor: Any) -> Any: ...
+
+
+# The pool looks the queue up by its module-global name at construction, as vLLM's does.
+POOL_SOURCE = textwrap.dedent(
+    """
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    class BlockPool:
+        def __init__(self, num_gpu_blocks):
+            self.blocks = [KVCacheBlock(idx, pool=self) for idx in range(num_gpu_blocks)]
+            self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+            self.null_block = self.free_block_queue.popleft()
+            self.null_block.is_null = True
+    """
+)
+
+
+def _module(name: str, **attrs: Any) -> Any:
+    module = ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+class FakeVllm:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        version: str = "0.33.0",
+        block_class: Any = VllmStyleBlock,
+        queue_class: type = VllmQueue,
+    ) -> None:
+        self.monkeypatch = monkeypatch
+        self.vllm = _module("vllm", __version__=version)
+        self.utils = _module(UTILS, KVCacheBlock=block_class, FreeKVCacheBlockQueue=queue_class)
+        self.queue_class = queue_class
+        for module in (
+            self.vllm,
+            _module("vllm.v1"),
+            _module("vllm.v1.core"),
+            self.utils,
+        ):
+            monkeypatch.setitem(sys.modules, module.__name__, module)
+        self.pool = _module(POOL)
+        # Imported (and so bound) before install, like vLLM's engine core would.
+        monkeypatch.setitem(sys.modules, POOL, self.pool)
+        exec(compile(POOL_SOURCE, "<fake block_pool>", "exec"), self.pool.__dict__)
+
+    def bindings(self) -> tuple[Any, Any]:
+        return self.utils.FreeKVCacheBlockQueue, self.pool.FreeKVCacheBlockQueue
+
+
+@pytest.fixture(autouse=True)
+def _clean_install() -> Iterator[None]:
+    kv_vllm.uninstall()
+    yield
+    kv_vllm.uninstall()
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeVllm:
+    return FakeVllm(monkeypatch)
+
+
+def _implementation(queue_mod: ModuleType) -> kv_vllm.Implementation:
+    return "cython" if queue_mod.__name__ == "kvqueue._queue" else "python"
+
+
+def test_import_kvqueue_does_not_import_vllm() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        seen = []
+        class Spy:
+            def find_spec(self, name, path=None, target=None):
+                if name == "vllm" or name.startswith("vllm."):
+                    seen.append(name)
+                return None
+        sys.meta_path.insert(0, Spy())
+        import kvqueue, kvqueue.vllm
+        kvqueue.vllm.installed()
+        assert not seen, seen
+        assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_install_patches_the_pool_lookup(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    queue_class = queue_mod.FreeKVCacheBlockQueue
+    assert kv_vllm.install(_implementation(queue_mod)) is queue_class
+    assert fake.bindings() == (queue_class, queue_class)
+    assert kv_vllm.installed() == _implementation(queue_mod)
+    pool = fake.pool.BlockPool(8)
+    queue: Any = pool.free_block_queue
+    assert type(pool.free_block_queue) is queue_class
+    # vLLM's block class, unchanged, is the queue's block class.
+    assert queue.block_type is VllmStyleBlock
+    assert type(queue.fake_free_list_head) is VllmStyleBlock
+    assert pool.null_block is pool.blocks[0]
+    assert queue.num_free_blocks == 7
+    popped = queue.popleft_n(3)
+    assert [b.block_id for b in popped] == [1, 2, 3]
+    queue.prepend_n(popped[::-1])
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [3, 2, 1, 4, 5, 6, 7]
+
+
+def test_install_auto_uses_the_shims_choice(fake: FakeVllm) -> None:
+    assert kv_vllm.install() is kvqueue.FreeKVCacheBlockQueue
+    assert kv_vllm.installed() == kvqueue.IMPLEMENTATION
+
+
+def test_idempotent_and_reversible(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    impl = _implementation(queue_mod)
+    before = fake.pool.BlockPool(4)
+    first = kv_vllm.install(impl)
+    assert kv_vllm.install(impl) is first
+    assert fake.bindings() == (first, first)
+    assert kv_vllm.uninstall() is True
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+    assert kv_vllm.installed() is None
+    assert kv_vllm.uninstall() is False
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+    # A pool built before install keeps vLLM's queue.
+    assert type(before.free_block_queue) is VllmQueue
+    assert type(fake.pool.BlockPool(4).free_block_queue) is VllmQueue
+    # And it installs again after an uninstall.
+    assert kv_vllm.install(impl) is first
+    assert fake.bindings() == (first, first)
+
+
+@pytest.mark.c_extension
+def test_switch_implementation(fake: FakeVllm) -> None:
+    from kvqueue import _queue, _queue_py
+
+    kv_vllm.install("python")
+    assert kv_vllm.install("cython") is _queue.FreeKVCacheBlockQueue
+    assert fake.bindings() == (_queue.FreeKVCacheBlockQueue,) * 2
+    assert kv_vllm.installed() == "cython"
+    kv_vllm.install("python")
+    assert fake.bindings() == (_queue_py.FreeKVCacheBlockQueue,) * 2
+    kv_vllm.uninstall()
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+
+
+def test_patched_context_manager(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    with kv_vllm.patched(_implementation(queue_mod)) as queue_class:
+        assert queue_class is queue_mod.FreeKVCacheBlockQueue
+        assert type(fake.pool.BlockPool(4).free_block_queue) is queue_class
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+    assert kv_vllm.installed() is None
+
+
+@pytest.mark.c_extension
+def test_patched_keeps_an_earlier_install(fake: FakeVllm) -> None:
+    kv_vllm.install("python")
+    with kv_vllm.patched("cython"):
+        assert kv_vllm.installed() == "cython"
+    assert kv_vllm.installed() == "python"
+
+
+def test_patches_other_loaded_importers(fake: FakeVllm, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = _module("vllm.v1.core.other", FreeKVCacheBlockQueue=VllmQueue)
+    unrelated = _module("vllmx", FreeKVCacheBlockQueue=VllmQueue)
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    monkeypatch.setitem(sys.modules, unrelated.__name__, unrelated)
+    queue_class = kv_vllm.install("python")
+    assert other.FreeKVCacheBlockQueue is queue_class
+    assert unrelated.FreeKVCacheBlockQueue is VllmQueue
+    kv_vllm.uninstall()
+    assert other.FreeKVCacheBlockQueue is VllmQueue
+
+
+def test_uninstall_leaves_a_later_patch_alone(fake: FakeVllm) -> None:
+    kv_vllm.install("python")
+
+    class Theirs:
+        pass
+
+    fake.pool.FreeKVCacheBlockQueue = Theirs
+    kv_vllm.uninstall()
+    assert fake.bindings() == (VllmQueue, Theirs)
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.30.1", "0.33.1rc1", "0.31.0.dev12+g0abc"])
+def test_known_versions(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    fake = FakeVllm(monkeypatch, version=version)
+    queue_class = kv_vllm.install("python")
+    assert fake.bindings() == (queue_class, queue_class)
+
+
+def _assert_refused(fake: FakeVllm, match: str, **kwargs: Any) -> None:
+    with pytest.raises(kv_vllm.VLLMLayoutError, match=match):
+        kv_vllm.install("python", **kwargs)
+    assert fake.bindings() == (fake.queue_class, fake.queue_class)
+    assert kv_vllm.installed() is None
+
+
+@pytest.mark.parametrize("version", ["0.29.9", "0.34.0", "1.0.0", "dev", "0", ""])
+def test_unknown_version_refused(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    fake = FakeVllm(monkeypatch, version=version)
+    _assert_refused(fake, "knows the block layout of vLLM 0.30")
+    # The version check alone can be skipped; the layout is still checked.
+    assert kv_vllm.install("python", check_version=False) is not None
+    assert fake.utils.FreeKVCacheBlockQueue is not VllmQueue
+
+
+def test_missing_version_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeVllm(monkeypatch)
+    del fake.vllm.__version__
+    monkeypatch.setattr("importlib.metadata.version", _no_distribution)
+    _assert_refused(fake, "cannot tell the installed vLLM's version")
+
+
+def _no_distribution(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError
+
+    raise PackageNotFoundError(name)
+
+
+@dataclasses.dataclass(slots=True)
+class ExtraFieldBlock:
+    block_id: int
+    ref_cnt: int = 0
+    pool: Any = dataclasses.field(default=None, kw_only=True)
+    _block_hash: Any = None
+    _block_hash_num_tokens: int | None = None
+    prev_free_block: Any = None
+    next_free_block: Any = None
+    is_null: bool = False
+    last_access: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class ReorderedBlock:
+    block_id: int
+    ref_cnt: int = 0
+    pool: Any = dataclasses.field(default=None, kw_only=True)
+    _block_hash: Any = None
+    prev_free_block: Any = None
+    next_free_block: Any = None
+    _block_hash_num_tokens: int | None = None
+    is_null: bool = False
+
+
+@dataclasses.dataclass
+class UnslottedBlock:
+    block_id: int
+    ref_cnt: int = 0
+    pool: Any = dataclasses.field(default=None, kw_only=True)
+    _block_hash: Any = None
+    _block_hash_num_tokens: int | None = None
+    prev_free_block: Any = None
+    next_free_block: Any = None
+    is_null: bool = False
+
+
+@pytest.mark.parametrize(
+    ("block_class", "match"),
+    [
+        (ExtraFieldBlock, "has fields .*last_access.*not the known"),
+        (ReorderedBlock, "not the known"),
+        (UnslottedBlock, "must be a __slots__ member"),
+        (kvqueue.KVCacheBlock, "is not a dataclass"),
+        (None, "is not a dataclass"),
+    ],
+)
+def test_unknown_block_layout_refused(
+    monkeypatch: pytest.MonkeyPatch, block_class: Any, match: str
+) -> None:
+    fake = FakeVllm(monkeypatch, block_class=block_class)
+    _assert_refused(fake, match)
+    _assert_refused(fake, match, check_version=False)
+
+
+def test_unknown_queue_api_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NewerQueue(VllmQueue):
+        def popleft_until(self, block: Any) -> None: ...
+
+    fake = FakeVllm(monkeypatch, queue_class=NewerQueue)
+    fake.pool.FreeKVCacheBlockQueue = NewerQueue
+    _assert_refused(fake, "has methods kvqueue's lacks: popleft_until")
+
+
+def test_foreign_patch_refused(fake: FakeVllm) -> None:
+    class Theirs:
+        pass
+
+    fake.pool.FreeKVCacheBlockQueue = Theirs
+    with pytest.raises(kv_vllm.VLLMLayoutError, match="patched by someone else"):
+        kv_vllm.install("python")
+    assert fake.bindings() == (VllmQueue, Theirs)
+
+
+def test_bad_implementation_name(fake: FakeVllm) -> None:
+    with pytest.raises(ValueError, match="implementation must be"):
+        kv_vllm.install("rust")  # type: ignore[arg-type]
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+
+
+def test_no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError):
+        kv_vllm.install("python")
+    assert kv_vllm.installed() is None
