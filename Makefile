@@ -21,7 +21,7 @@ lint: $(VENV)/.ready
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
 	$(PY) -m mypy
-	$(VENV)/bin/cython-lint src/kvqueue/_queue.pyx
+	PATH="$(VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx
 
 bench: $(VENV)/.ready
 	$(PY) bench/run.py $(BENCH_ARGS)

@@ -26,6 +26,7 @@ class SubBlock(KVCacheBlock):
     """A Python subclass with a slot of its own."""
 
     __slots__ = ("extra",)
+    extra: str
 
 
 BLOCK_CLASSES = (KVCacheBlock, VllmStyleBlock)

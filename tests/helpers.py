@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from typing import Any
 
 Snapshot = tuple[int, tuple[tuple[int, int, int], ...]]
@@ -31,13 +32,12 @@ def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) 
     assert head.prev_free_block is None
     assert tail.next_free_block is None
     chain = [head, *expected, tail]
-    for left, right in zip(chain, chain[1:]):
+    for left, right in pairwise(chain):
         assert left.next_free_block is right, (left, right)
         assert right.prev_free_block is left, (left, right)
     listed = queue.get_all_free_blocks()
-    assert len(listed) == len(expected)
-    assert all(a is b for a, b in zip(listed, expected))
-    assert all(a is b for a, b in zip(queue.iter_blocks_after(None), expected))
+    assert all(a is b for a, b in zip(listed, expected, strict=True))
+    assert all(a is b for a, b in zip(queue.iter_blocks_after(None), expected, strict=True))
     assert sum(1 for _ in queue) == len(expected)
     members = {id(b) for b in expected}
     for block in all_blocks:

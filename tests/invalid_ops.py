@@ -113,7 +113,7 @@ def append_linked(mod: ModuleType) -> Any:
 
 def append_block_of_another_queue(mod: ModuleType) -> Any:
     queue, blocks = _queue(mod)
-    other, others = _queue(mod)
+    _, others = _queue(mod)
     return queue, blocks + others, lambda: queue.append(others[0])
 
 
@@ -263,7 +263,7 @@ def construct_over_linked_block(mod: ModuleType) -> Any:
 
 
 def construct_with_mixed_classes(mod: ModuleType) -> Any:
-    queue, blocks = _queue(mod)
+    queue, _ = _queue(mod)
     fresh = KVCacheBlock(7)
     return queue, [fresh], lambda: mod.FreeKVCacheBlockQueue([fresh, VllmStyleBlock(8)])
 

@@ -44,9 +44,7 @@ def test_empty_queue(queue_mod: ModuleType) -> None:
     assert list(queue.iter_blocks_after(None)) == []
 
 
-def test_block_type_keyword_for_an_empty_queue(
-    queue_mod: ModuleType, block_cls: type[Any]
-) -> None:
+def test_block_type_keyword_for_an_empty_queue(queue_mod: ModuleType, block_cls: type[Any]) -> None:
     queue = queue_mod.FreeKVCacheBlockQueue([], block_type=block_cls)
     assert type(queue.fake_free_list_head) is block_cls
     block = block_cls(7)
@@ -77,7 +75,7 @@ def test_popleft_n(queue_mod: ModuleType, block_cls: type[Any], n: int) -> None:
     popped = queue.popleft_n(n)
     assert type(popped) is list
     assert len(popped) == n
-    assert all(a is b for a, b in zip(popped, blocks[:n]))
+    assert all(a is b for a, b in zip(popped, blocks[:n], strict=True))
     check_queue(queue, blocks[n:], blocks)
 
 

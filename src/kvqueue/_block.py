@@ -23,15 +23,15 @@ class KVCacheBlock:
     """
 
     __slots__ = (
-        "block_id",
-        "ref_cnt",
-        "pool",
+        "__weakref__",
         "_block_hash",
         "_block_hash_num_tokens",
-        "prev_free_block",
-        "next_free_block",
+        "block_id",
         "is_null",
-        "__weakref__",
+        "next_free_block",
+        "pool",
+        "prev_free_block",
+        "ref_cnt",
     )
     __match_args__ = (
         "block_id",

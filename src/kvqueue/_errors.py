@@ -14,9 +14,7 @@ def empty() -> ValueError:
 
 
 def out_of_sync(num_free_blocks: int) -> AssertionError:
-    return AssertionError(
-        f"num_free_blocks ({num_free_blocks}) is out of sync with the free list."
-    )
+    return AssertionError(f"num_free_blocks ({num_free_blocks}) is out of sync with the free list.")
 
 
 def invalid_next(method: str) -> RuntimeError:
@@ -45,8 +43,7 @@ def negative(n: int) -> ValueError:
 
 def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
     return TypeError(
-        f"{where}: expected a {block_type.__qualname__}, "
-        f"got {type(obj).__qualname__} {obj!r:.80}"
+        f"{where}: expected a {block_type.__qualname__}, got {type(obj).__qualname__} {obj!r:.80}"
     )
 
 
@@ -58,7 +55,11 @@ def corrupted(where: str, obj: object) -> RuntimeError:
 
 
 def already_linked(
-    method: str, block: object, batch: Sequence[object], index: int, sentinels: tuple[object, object]
+    method: str,
+    block: object,
+    batch: Sequence[object],
+    index: int,
+    sentinels: tuple[object, object],
 ) -> ValueError:
     if block is sentinels[0] or block is sentinels[1]:
         why = "is a sentinel of this queue"

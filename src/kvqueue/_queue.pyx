@@ -21,6 +21,7 @@ from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from cpython.number cimport PyNumber_Index
+from cpython.type cimport PyType_Check, PyType_IsSubtype
 
 from kvqueue import _errors
 from kvqueue._block import KVCacheBlock, check_block_type
@@ -93,6 +94,8 @@ cdef extern from *:
     object kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
     bint kvq_is_block(PyObject *o, PyTypeObject *tp)
     Py_ssize_t kvq_clamped_ssize(object o) except? -1
+    void PyObject_GC_Track(object o)
+    void PyObject_GC_UnTrack(object o)
 
 
 cdef PyObject *NONE = <PyObject *>None
@@ -112,7 +115,11 @@ cdef object _as_sequence(object blocks, str method):
 cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
     descr = getattr(block_type, name)
     cdef Py_ssize_t offset = kvq_slot_offset(descr)
-    if offset < 0 or not issubclass(block_type, descr.__objclass__):
+    # By the MRO, not issubclass(): a metaclass's __subclasscheck__ could
+    # otherwise pass off another class's slot, past the end of our blocks.
+    if offset < 0 or not (
+        PyType_Check(block_type) and PyType_IsSubtype(block_type, descr.__objclass__)
+    ):
         raise TypeError(f"{block_type.__qualname__}.{name} is not a writable object slot")
     return offset
 
@@ -176,7 +183,9 @@ cdef class FreeKVCacheBlockQueue:
         cdef PyObject *value = kvq_get(block, offset)
         if value is NULL:
             name = "prev_free_block" if offset == self._prev else "next_free_block"
-            raise AttributeError(f"'{type(<object>block).__name__}' object has no attribute '{name}'")
+            # The slot descriptor raises the interpreter's own AttributeError.
+            getattr(<object>block, name)
+            raise AttributeError(name)
         return value
 
     cdef PyObject *_follow(self, PyObject *block, Py_ssize_t offset, str where) except NULL:
@@ -201,8 +210,8 @@ cdef class FreeKVCacheBlockQueue:
             raise _errors.invalid_next("popleft")
         # head.next held `block` (kept alive by the local); next.prev is swapped out.
         kvq_set(<PyObject *>head, self._next, <PyObject *>next_block)
-        old = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>head)
-        old_prev = kvq_swap(first, self._prev, NONE)
+        _old = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>head)
+        _old_prev = kvq_swap(first, self._prev, NONE)
         kvq_set(first, self._next, NONE)
         self.num_free_blocks -= 1
         return block
@@ -221,11 +230,19 @@ cdef class FreeKVCacheBlockQueue:
             raise _errors.negative(index)
         if count > num:
             raise _errors.too_many(index, num)
+        # Allocate before reading the list: on 3.11 an allocation can run a
+        # collection, whose finalizers may call this queue (and free the first
+        # block). Until it is full and returned, `ret` is hidden from the
+        # collector, so no gc.get_objects() caller sees its empty slots.
+        cdef list ret = PyList_New(count)
+        PyObject_GC_UnTrack(ret)
+        num = self.num_free_blocks
+        if count > num:
+            raise _errors.too_many(index, num)
         head = self.fake_free_list_head
         cdef PyObject *tail = <PyObject *>self.fake_free_list_tail
         cdef PyObject *curr = self._follow(<PyObject *>head, self._next, "popleft_n()")
         # Walk first, unlink after: a short or broken list raises untouched.
-        cdef list ret = PyList_New(count)
         for i in range(count):
             if curr is NONE or curr is tail:
                 raise _errors.out_of_sync(num)
@@ -234,15 +251,16 @@ cdef class FreeKVCacheBlockQueue:
             curr = self._follow(curr, self._next, "popleft_n()")
         if curr is NONE:
             raise _errors.invalid_next("popleft_n")
-        rest = <object>curr
-        # head.next held ret[0]; rest.prev is swapped out; the popped blocks'
-        # links point at blocks held by `ret`, `head` or `rest`.
+        # head.next held ret[0]; curr.prev is swapped out; the popped blocks'
+        # links point at blocks held by `ret`, or at `head` and `curr`, which
+        # the head keeps alive.
         kvq_set(<PyObject *>head, self._next, curr)
-        old = kvq_swap(curr, self._prev, <PyObject *>head)
+        _old = kvq_swap(curr, self._prev, <PyObject *>head)
         for i in range(count):
             kvq_set(PyList_GET_ITEM(ret, i), self._prev, NONE)
             kvq_set(PyList_GET_ITEM(ret, i), self._next, NONE)
         self.num_free_blocks = num - count
+        PyObject_GC_Track(ret)
         return ret
 
     def remove(self, block, /):
@@ -255,8 +273,8 @@ cdef class FreeKVCacheBlockQueue:
         next_block = <object>self._follow(b, self._next, "remove()")
         if prev_block is None or next_block is None:
             raise _errors.invalid_remove(block)
-        old_next = kvq_swap(<PyObject *>prev_block, self._next, <PyObject *>next_block)
-        old_prev = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>prev_block)
+        _old_next = kvq_swap(<PyObject *>prev_block, self._next, <PyObject *>next_block)
+        _old_prev = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>prev_block)
         kvq_set(b, self._prev, NONE)
         kvq_set(b, self._next, NONE)
         self.num_free_blocks -= 1
@@ -275,7 +293,7 @@ cdef class FreeKVCacheBlockQueue:
             raise _errors.already_linked(
                 "append", block, (), 0, (self.fake_free_list_head, tail)
             )
-        old_next = kvq_swap(<PyObject *>last_block, self._next, b)
+        _old_next = kvq_swap(<PyObject *>last_block, self._next, b)
         kvq_set(b, self._prev, <PyObject *>last_block)
         kvq_set(b, self._next, <PyObject *>tail)
         kvq_set(<PyObject *>tail, self._prev, b)
@@ -345,8 +363,8 @@ cdef class FreeKVCacheBlockQueue:
                 method, block, seq, i, (self.fake_free_list_head, self.fake_free_list_tail)
             )
         kvq_set(prev, N, <PyObject *>right)
-        old_prev = kvq_swap(<PyObject *>right, P, prev)
-        old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
+        _old_prev = kvq_swap(<PyObject *>right, P, prev)
+        _old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
         self.num_free_blocks += n
         return 0
 
@@ -362,6 +380,8 @@ cdef class FreeKVCacheBlockQueue:
     def get_all_free_blocks(self):
         """All free blocks in eviction order (a snapshot)."""
         self._check()
+        # Allocated first: the allocation may run finalizers (see popleft_n).
+        cdef list ret = []
         cdef PyObject *curr = self._follow(
             <PyObject *>self.fake_free_list_head, self._next, "get_all_free_blocks()"
         )
@@ -369,7 +389,6 @@ cdef class FreeKVCacheBlockQueue:
             raise RuntimeError(_errors.HEAD_LOST)
         cdef Py_ssize_t limit = self.num_free_blocks
         cdef PyObject *next_block
-        cdef list ret = []
         while True:
             next_block = self._follow(curr, self._next, "get_all_free_blocks()")
             if next_block is NONE:

@@ -42,7 +42,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
     :class:`kvqueue.KVCacheBlock`); the sentinels are ``block_type(block_id=-1)``.
     """
 
-    __slots__ = ("_num_free_blocks", "_head", "_tail", "_block_type", "__weakref__")
+    __slots__ = ("__weakref__", "_block_type", "_head", "_num_free_blocks", "_tail")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # The compiled twin is a final type; keep the twins interchangeable.
@@ -127,7 +127,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             self._num_free_blocks = num - 1
             return [curr]
         # Walk first, unlink after: a short or broken list raises untouched.
-        ret = []
+        ret: list[B] = []
         append = ret.append
         for _ in range(n):
             if curr is None or curr is tail:

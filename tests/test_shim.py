@@ -1,0 +1,70 @@
+"""The import shim, checked in fresh interpreters: which twin loads, and when."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = "import kvqueue; print(kvqueue.IMPLEMENTATION, kvqueue.FreeKVCacheBlockQueue.__module__)"
+
+# Refuses the compiled module, as an interpreter without the built extension would.
+NO_EXTENSION = (
+    """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvqueue._queue":
+            raise ImportError("no compiled twin here")
+sys.meta_path.insert(0, Refuse())
+"""
+    + PROBE
+)
+
+
+def run(code: str, **env: str) -> str:
+    environ = {k: v for k, v in os.environ.items() if k != "KVQUEUE_PURE"}
+    environ.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
+
+
+@pytest.mark.c_extension
+def test_compiled_twin_is_preferred() -> None:
+    assert run(PROBE) == "cython kvqueue._queue"
+
+
+@pytest.mark.c_extension
+@pytest.mark.parametrize("value", ["", "0"])
+def test_pure_flag_off_values(value: str) -> None:
+    assert run(PROBE, KVQUEUE_PURE=value) == "cython kvqueue._queue"
+
+
+def test_pure_twin_on_request() -> None:
+    assert run(PROBE, KVQUEUE_PURE="1") == "python kvqueue._queue_py"
+
+
+def test_missing_extension_falls_back() -> None:
+    assert run(NO_EXTENSION) == "python kvqueue._queue_py"
+
+
+def test_public_api() -> None:
+    out = run(
+        "import kvqueue; print(sorted(kvqueue.__all__)); "
+        "print(kvqueue.KVCacheBlock is __import__('kvqueue._block').KVCacheBlock)"
+    )
+    assert out.splitlines() == [
+        "['FreeKVCacheBlockQueue', 'IMPLEMENTATION', 'KVCacheBlock', '__version__']",
+        "True",
+    ]
+
+
+def test_both_twins_share_the_block_class(queue_mod: object) -> None:
+    import kvqueue
+
+    queue = queue_mod.FreeKVCacheBlockQueue([])  # type: ignore[attr-defined]
+    assert queue.block_type is kvqueue.KVCacheBlock
