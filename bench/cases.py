@@ -1,0 +1,252 @@
+"""The benchmark cases: what one timed cycle does, for a block queue and for the deque.
+
+A case turns a contender into a :class:`Bench`: ``prepare()`` (untimed) before every sample,
+``run(loops)`` (timed) repeating the cycle, and ``ids()`` for the cross-check that every
+contender of a case ends in the same order after the same cycles. Every contender gets its
+own blocks, since the queue links are stored in the blocks. The timed loops bind methods to
+locals first so that the harness adds the same small cost to every contender.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import cycle, islice, repeat
+from typing import Any
+
+from contenders import Contender
+
+from kvqueue import KVCacheBlock
+
+SMALL_POOL = 2_048
+LARGE_POOL = 100_000
+# The synthetic mix: 90 one-block, 5 two-block, 4 eight-block and 1 thirty-two-block
+# allocations per pass, in shuffled order.
+MIX = (1,) * 90 + (2,) * 5 + (8,) * 4 + (32,)
+SCAN = 1_000
+LIFO_N = 8
+
+
+def _drain(iterable: Iterable[Any]) -> None:
+    # A zero-length deque consumes an iterator at C speed: only the iterator is timed.
+    deque(iterable, maxlen=0)
+
+
+@dataclass
+class Bench:
+    run: Callable[[int], None]
+    ids: Callable[[], list[int]]
+    prepare: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    pool: int
+    cycle: str  # what one timed cycle is, for the table
+    build: Callable[[Contender, int, random.Random], Bench | None]
+    # Builds time one construction per sample: no calibration, one cycle each.
+    single_shot: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} @{self.pool}"
+
+
+def _queue_ids(queue: Any) -> list[int]:
+    return [block.block_id for block in queue.iter_blocks_after(None)]
+
+
+def _deque_ids(blocks: deque[Any]) -> list[int]:
+    return [block.block_id for block in blocks]
+
+
+def _pool(size: int) -> list[KVCacheBlock]:
+    return [KVCacheBlock(i) for i in range(size)]
+
+
+def _start(contender: Contender, pool: int) -> tuple[Any, Callable[[], list[int]]]:
+    """A fresh queue (or deque) over its own ``pool`` blocks, and its ids() reader."""
+    blocks = _pool(pool)
+    if contender.queue_class is None:
+        queue: Any = deque(blocks)
+        return queue, lambda: _deque_ids(queue)
+    queue = contender.queue_class(blocks)
+    return queue, lambda: _queue_ids(queue)
+
+
+def alloc_free(k: int) -> Callable[[Contender, int, random.Random], Bench]:
+    """Allocate ``k`` blocks from the front, free them to the back (BlockPool's FIFO path)."""
+
+    def build(contender: Contender, pool: int, rng: random.Random) -> Bench:
+        queue, ids = _start(contender, pool)
+        if contender.queue_class is None:
+            popleft, extend, per_block = queue.popleft, queue.extend, range(k)
+
+            def run(loops: int) -> None:
+                for _ in repeat(None, loops):
+                    extend([popleft() for _ in per_block])
+
+        else:
+            popleft_n, append_n = queue.popleft_n, queue.append_n
+
+            def run(loops: int) -> None:
+                for _ in repeat(None, loops):
+                    append_n(popleft_n(k))
+
+        return Bench(run, ids)
+
+    return build
+
+
+def popleft_append(contender: Contender, pool: int, rng: random.Random) -> Bench:
+    queue, ids = _start(contender, pool)
+    popleft, append = queue.popleft, queue.append
+
+    def run(loops: int) -> None:
+        for _ in repeat(None, loops):
+            append(popleft())
+
+    return Bench(run, ids)
+
+
+def remove_append(contender: Contender, pool: int, rng: random.Random) -> Bench | None:
+    """Take blocks out of the middle (a prefix-cache hit) and free them to the back.
+
+    The blocks come in two shuffled orders, alternating, so that the walk is not the queue
+    order and touches memory as scattered as an engine's cache hits.
+    """
+    if contender.queue_class is None:
+        return None  # deque.remove is a linear search: no equivalent.
+    queue, ids = _start(contender, pool)
+    blocks = list(queue.iter_blocks_after(None))
+    orders = []
+    for _ in range(2):
+        order = list(blocks)
+        rng.shuffle(order)
+        orders += order
+    walk = cycle(orders)
+    remove, append = queue.remove, queue.append
+
+    def run(loops: int) -> None:
+        for block in islice(walk, loops):
+            remove(block)
+            append(block)
+
+    return Bench(run, ids)
+
+
+def lifo(contender: Contender, pool: int, rng: random.Random) -> Bench:
+    """Allocate from the front and free back to the front (blocks with nothing to cache)."""
+    queue, ids = _start(contender, pool)
+    if contender.queue_class is None:
+        popleft, extendleft, per_block = queue.popleft, queue.extendleft, range(LIFO_N)
+
+        def run(loops: int) -> None:
+            for _ in repeat(None, loops):
+                extendleft(reversed([popleft() for _ in per_block]))
+
+    else:
+        popleft_n, prepend_n = queue.popleft_n, queue.prepend_n
+
+        def run(loops: int) -> None:
+            for _ in repeat(None, loops):
+                prepend_n(popleft_n(LIFO_N))
+
+    return Bench(run, ids)
+
+
+def mix(contender: Contender, pool: int, rng: random.Random) -> Bench:
+    """One pass: the 100 allocations of ``MIX`` in shuffled order, then their frees, shuffled."""
+    queue, ids = _start(contender, pool)
+    sizes = list(MIX)
+    rng.shuffle(sizes)
+    frees = list(range(len(sizes)))
+    rng.shuffle(frees)
+    if contender.queue_class is None:
+        popleft, extend = queue.popleft, queue.extend
+        ranges = [range(k) for k in sizes]
+
+        def run(loops: int) -> None:
+            for _ in repeat(None, loops):
+                held = [[popleft() for _ in per_block] for per_block in ranges]
+                for i in frees:
+                    extend(held[i])
+
+    else:
+        popleft_n, append_n = queue.popleft_n, queue.append_n
+
+        def run(loops: int) -> None:
+            for _ in repeat(None, loops):
+                held = [popleft_n(k) for k in sizes]
+                for i in frees:
+                    append_n(held[i])
+
+    return Bench(run, ids)
+
+
+def scan(contender: Contender, pool: int, rng: random.Random) -> Bench:
+    """Walk the first ``SCAN`` free blocks, as an evictor looking for candidates does."""
+    queue, ids = _start(contender, pool)
+    if contender.queue_class is None:
+
+        def run(loops: int) -> None:
+            for _ in repeat(None, loops):
+                _drain(islice(queue, SCAN))
+
+    else:
+        iter_blocks_after = queue.iter_blocks_after
+
+        def run(loops: int) -> None:
+            for _ in repeat(None, loops):
+                _drain(islice(iter_blocks_after(None), SCAN))
+
+    return Bench(run, ids)
+
+
+def build(contender: Contender, pool: int, rng: random.Random) -> Bench:
+    """Construct the queue over ``pool`` fresh blocks (an engine's start-up)."""
+    blocks = _pool(pool)
+    made: list[Any] = [None]
+    make: Callable[[list[Any]], Any] = contender.queue_class or deque
+
+    def prepare() -> None:
+        # The previous queue is released and the links cleared outside the timed region.
+        made[0] = None
+        if contender.queue_class is not None:
+            for block in blocks:
+                block.prev_free_block = block.next_free_block = None
+
+    def run(loops: int) -> None:
+        for _ in repeat(None, loops):
+            made[0] = make(blocks)
+
+    def ids() -> list[int]:
+        if contender.queue_class is None:
+            return _deque_ids(made[0])
+        return _queue_ids(made[0])
+
+    return Bench(run, ids, prepare)
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for pool in (SMALL_POOL, LARGE_POOL):
+        cases += [
+            Case(f"popleft_n({k}) + append_n", pool, f"{k}-block alloc + free", alloc_free(k))
+            for k in (1, 2, 8, 32)
+        ]
+        cases += [
+            Case("popleft + append", pool, "1-block alloc + free", popleft_append),
+            Case("remove + append", pool, "cache hit + free", remove_append),
+            Case(f"popleft_n({LIFO_N}) + prepend_n", pool, "LIFO alloc + free", lifo),
+            Case("mix", pool, "100 allocs + 100 frees", mix),
+            Case(f"iter_blocks_after x{SCAN}", pool, f"scan of {SCAN} blocks", scan),
+        ]
+    cases += [
+        Case("build", pool, "construction", build, single_shot=True)
+        for pool in (LARGE_POOL, 1_000_000)
+    ]
+    return cases

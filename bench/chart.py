@@ -1,0 +1,57 @@
+"""The ratio chart (needs matplotlib, the ``bench`` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import machine
+from report import summarize
+
+MARKERS = {"vllm-0.33": "s", "pure": "o", "cython": "D", "deque": "^"}
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def draw(results: dict[str, Any], path: Path) -> None:
+    """One line per case, one marker per contender at its ratio, with its 95% interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reference = results["settings"]["reference"]
+    rows = summarize(results)
+    names = [n for n in results["settings"]["contenders"] if n != reference]
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.8))
+    height = 0.7 / max(len(names), 1)
+    for i, name in enumerate(names):
+        ys, xs, lows, highs = [], [], [], []
+        for y, row in enumerate(rows):
+            estimate = row.ratios.get(name)
+            if estimate is None:
+                continue
+            ys.append(y - 0.35 + height * (i + 0.5))
+            xs.append(estimate.median)
+            lows.append(estimate.median - estimate.low)
+            highs.append(estimate.high - estimate.median)
+        ax.errorbar(
+            xs, ys, xerr=[lows, highs], fmt=MARKERS.get(name, "o"), capsize=2, label=name, ms=4
+        )
+    ax.axvline(1.0, color="grey", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)), [f"{row.name} @{row.pool:,}" for row in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ratio to {reference} (log scale; lower is faster), 95% interval")
+    ax.grid(axis="x", which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    ax.set_title(machine.short(results["machine"]), fontsize="small", wrap=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,75 @@
+"""What a result was measured on: host, interpreter, compiler and the kvqueue under test.
+
+Recorded in every results file so that runs from several hosts can be merged side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+from typing import Any
+
+
+def describe() -> dict[str, Any]:
+    import kvqueue
+
+    return {
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "python_build": " ".join(platform.python_build()),
+        "cython": _version("Cython"),
+        "compiler": _compiler(),
+        "cflags": sysconfig.get_config_var("CFLAGS") or "",
+        "kvqueue": kvqueue.__version__,
+        "kvqueue_implementation": kvqueue.IMPLEMENTATION,
+        "kvqueue_path": os.path.dirname(kvqueue.__file__),
+    }
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                # x86 says "model name"; aarch64 kernels have no name, only part numbers.
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def short(info: dict[str, Any]) -> str:
+    """One line naming the host, e.g. for a table caption or a chart title."""
+    return (
+        f"{info['cpu']} ({info['machine']}, {info['cpus']} CPUs), {info['os']}; "
+        f"{info['python_implementation']} {info['python']}, Cython {info['cython']}, "
+        f"{info['compiler']}; kvqueue {info['kvqueue']} ({info['kvqueue_implementation']})"
+    )
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _compiler() -> str:
+    """The C compiler an extension build would use, with its version."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    try:
+        out = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except OSError:
+        return f"{cc} (not found)"
+    return out.splitlines()[0].strip() if out else cc

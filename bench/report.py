@@ -1,0 +1,185 @@
+"""From raw samples to the summary: per-process ratios, their medians and intervals, tables.
+
+A results file holds ``machine``, ``settings`` (with the ``reference`` contender) and
+``records``, one per worker process, each with every raw sample in ns per cycle.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+import machine
+from stats import bootstrap_median
+
+# The issue's targets, on the large pool: (contender, case, against, at most).
+SINGLETON = "popleft_n(1) + append_n @100000"
+TARGETS = (
+    ("pure", SINGLETON, "vllm-0.30", 0.83),
+    ("cython", SINGLETON, "vllm-0.30", 0.20),
+    ("cython", "popleft_n(32) + append_n @100000", "vllm-0.30", 0.35),
+    ("cython", "remove + append @100000", "vllm-0.30", 0.50),
+    ("cython", "mix @100000", "vllm-0.30", 0.25),
+    ("cython", "popleft + append @100000", "deque", 2.5),
+)
+# ... and the pure twin within 10% of vLLM 0.33 in every case on the large pool.
+PURE_VS_033 = 1.10
+
+
+@dataclass(frozen=True)
+class Estimate:
+    median: float
+    low: float
+    high: float
+    processes: int
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    name: str
+    pool: int
+    cycle: str
+    ratios: dict[str, Estimate]  # against the reference
+    ns: dict[str, float]  # median ns per cycle
+
+
+def _per_process_medians(records: list[dict[str, Any]], contender: str) -> list[float]:
+    return [median(r["samples_ns"][contender]) for r in records if contender in r["samples_ns"]]
+
+
+def ratio(records: list[dict[str, Any]], contender: str, against: str) -> Estimate | None:
+    """Median over processes of (contender's median / against's median) in that process."""
+    per_process = [
+        median(r["samples_ns"][contender]) / median(r["samples_ns"][against])
+        for r in records
+        if contender in r["samples_ns"] and against in r["samples_ns"]
+    ]
+    if not per_process:
+        return None
+    return Estimate(*bootstrap_median(per_process), processes=len(per_process))
+
+
+def by_case(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in results["records"]:
+        grouped[record["case"]].append(record)
+    return grouped
+
+
+def summarize(results: dict[str, Any]) -> list[Row]:
+    reference = results["settings"]["reference"]
+    rows = []
+    for key, records in by_case(results).items():
+        names = [n for n in results["settings"]["contenders"] if n in records[0]["samples_ns"]]
+        ratios = {}
+        for name in names:
+            estimate = ratio(records, name, reference)
+            if estimate is not None:
+                ratios[name] = estimate
+        ns = {name: median(_per_process_medians(records, name)) for name in names}
+        first = records[0]
+        rows.append(Row(key, first["name"], first["pool"], first["cycle"], ratios, ns))
+    order = list(results["settings"]["cases"])
+    rows.sort(key=lambda row: order.index(row.key))
+    return rows
+
+
+def fmt_ns(ns: float) -> str:
+    if ns < 1e3:
+        return f"{ns:.0f} ns"
+    if ns < 1e6:
+        return f"{ns / 1e3:.3g} µs"
+    return f"{ns / 1e6:.3g} ms"
+
+
+def fmt_estimate(estimate: Estimate) -> str:
+    return f"{estimate.median:.3f} [{estimate.low:.3f}, {estimate.high:.3f}]"
+
+
+def _cell(row: Row, name: str, reference: str) -> str:
+    if name not in row.ns:
+        return "n/a"
+    if name == reference:
+        return f"1 · {fmt_ns(row.ns[name])}"
+    return f"{fmt_estimate(row.ratios[name])} · {fmt_ns(row.ns[name])}"
+
+
+def table(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    reference = settings["reference"]
+    names = settings["contenders"]
+    lines = [
+        f"Ratio of time to `{reference}` (median of {settings['processes']} processes x "
+        f"{settings['samples']} samples, [bootstrap 95% interval]) · median time per cycle.",
+        f"{machine.short(results['machine'])}.",
+        "",
+        "| case | pool | one cycle | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "|---|---:|---|" + "---:|" * len(names),
+    ]
+    for row in summarize(results):
+        cells = [_cell(row, name, reference) for name in names]
+        lines.append(f"| {row.name} | {row.pool:,} | {row.cycle} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets(results: dict[str, Any]) -> str:
+    """The issue's targets: ✓ whole interval within, ~ median only, ✗ missed."""
+    grouped = by_case(results)
+    lines = ["| target | measured [95% interval] | |", "|---|---|---|"]
+    for contender, key, against, limit in TARGETS:
+        estimate = ratio(grouped.get(key, []), contender, against)
+        label = f"`{contender}` {key} vs `{against}` <= {limit}"
+        lines.append(_target_line(label, estimate, limit))
+    worst: tuple[str, Estimate] | None = None
+    for key, records in grouped.items():
+        if records[0]["pool"] != 100_000:
+            continue
+        estimate = ratio(records, "pure", "vllm-0.33")
+        if estimate is not None and (worst is None or estimate.median > worst[1].median):
+            worst = (key, estimate)
+    if worst is not None:
+        label = f"`pure` vs `vllm-0.33` <= {PURE_VS_033} in every case (worst: {worst[0]})"
+        lines.append(_target_line(label, worst[1], PURE_VS_033))
+    return "\n".join(lines)
+
+
+def _target_line(label: str, estimate: Estimate | None, limit: float) -> str:
+    if estimate is None:
+        return f"| {label} | not measured | |"
+    mark = "✓" if estimate.high <= limit else "~" if estimate.median <= limit else "✗"
+    return f"| {label} | {fmt_estimate(estimate)} | {mark} |"
+
+
+def merged_table(all_results: list[dict[str, Any]]) -> str:
+    """Several hosts side by side: a row per case and contender, a column per results file."""
+    hosts = [
+        f"{r['machine']['machine']} {r['machine']['cpu']}, Python {r['machine']['python']}, "
+        f"vs `{r['settings']['reference']}`"
+        for r in all_results
+    ]
+    summaries = [{row.key: row for row in summarize(r)} for r in all_results]
+    keys: list[str] = []
+    for summary in summaries:
+        keys += [key for key in summary if key not in keys]
+    names: list[str] = []
+    for r in all_results:
+        names += [name for name in r["settings"]["contenders"] if name not in names]
+    lines = [
+        "| case | pool | contender | " + " | ".join(hosts) + " |",
+        "|---|---:|---|" + "---:|" * len(hosts),
+    ]
+    for key in keys:
+        some = next(s[key] for s in summaries if key in s)
+        for name in names:
+            cells = [
+                _cell(s[key], name, r["settings"]["reference"]) if key in s else "n/a"
+                for s, r in zip(summaries, all_results, strict=True)
+            ]
+            if any(cell != "n/a" for cell in cells):
+                lines.append(
+                    f"| {some.name} | {some.pool:,} | `{name}` | " + " | ".join(cells) + " |"
+                )
+    return "\n".join(lines)

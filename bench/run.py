@@ -1,0 +1,198 @@
+"""Benchmark kvqueue's twins against vLLM's own FreeKVCacheBlockQueue and collections.deque.
+
+    python bench/run.py            # the full comparison (downloads two vllm wheels once)
+    python bench/run.py --quick    # pure / cython / deque only, no download, under a minute
+    python bench/run.py --merge a.json b.json   # several hosts side by side
+
+Every case runs in ``--processes`` fresh processes (``worker.py``), in a new random case
+order per round; the Markdown table goes to stdout, the raw samples to a JSON file and the
+ratio chart to a PNG beside it (with matplotlib). It times whatever ``kvqueue`` imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import cases
+import chart
+import contenders
+import machine
+import report
+import validate
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: small, no vLLM")
+    parser.add_argument("--processes", type=int, help="fresh processes per case (11; quick 3)")
+    parser.add_argument("--samples", type=int, help="samples per process (9; quick 5)")
+    parser.add_argument("--sample-ms", type=float, help="reference time per sample (20; quick 2)")
+    parser.add_argument("--contenders", help=f"comma-separated, from {','.join(contenders.ALL)}")
+    parser.add_argument("--only", help="run only the cases whose key contains this text")
+    parser.add_argument("--cpu", type=int, help="pin workers to this CPU (default: the last)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of orders and shuffles")
+    parser.add_argument("--no-download", action="store_true", help="skip vLLM not cached")
+    parser.add_argument("--out", type=Path, help="results JSON (default: bench/results/...)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="tabulate these")
+    args = parser.parse_args(argv)
+    defaults = (3, 5, 2.0) if args.quick else (11, 9, 20.0)
+    args.processes = args.processes or defaults[0]
+    args.samples = args.samples or defaults[1]
+    args.sample_ms = args.sample_ms or defaults[2]
+    chosen = contenders.QUICK if args.quick else contenders.ALL
+    args.contenders = args.contenders.split(",") if args.contenders else list(chosen)
+    return args
+
+
+def select_cases(args: argparse.Namespace) -> list[cases.Case]:
+    selected = cases.all_cases()
+    if args.quick:
+        # The small pool and the 100k build keep the smoke test well under a minute.
+        selected = [c for c in selected if c.pool == cases.SMALL_POOL or c.single_shot]
+        selected = [c for c in selected if c.pool <= cases.LARGE_POOL]
+    if args.only:
+        selected = [c for c in selected if args.only in c.key]
+    return selected
+
+
+def load_contenders(names: list[str], download: bool) -> tuple[list[str], dict[str, str]]:
+    """The usable contenders, and why each other one is left out."""
+    usable, skipped = [], {}
+    for name in names:
+        try:
+            contender = contenders.load(name, download=download)
+            if contender.queue_class is not None:
+                validate.check(contender.queue_class)
+        except (LookupError, validate.WrongQueue) as exc:
+            skipped[name] = str(exc)
+            print(f"skipping {name}: {exc}", file=sys.stderr)
+            continue
+        usable.append(name)
+    return usable, skipped
+
+
+def run_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    records = []
+    started = time.monotonic()
+    tty = sys.stderr.isatty()
+    for done, job in enumerate(jobs, 1):
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "worker.py"), json.dumps(job)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode:
+            sys.stderr.write(proc.stderr)
+            raise SystemExit(f"worker failed on {job['case']} (round {job['round']})")
+        records.append(json.loads(proc.stdout))
+        elapsed = time.monotonic() - started
+        eta = elapsed / done * (len(jobs) - done)
+        line = (
+            f"[{done:>4}/{len(jobs)}] round {job['round'] + 1} {job['case']:<40} "
+            f"{elapsed:5.0f}s elapsed, ~{eta:4.0f}s left"
+        )
+        print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+    if tty:
+        print(file=sys.stderr)
+    return records
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    names, skipped = load_contenders(args.contenders, download=not (args.quick or args.no_download))
+    fallback = contenders.FALLBACK_REFERENCE
+    reference = contenders.REFERENCE if contenders.REFERENCE in names else fallback
+    if reference not in names:
+        raise SystemExit(f"no reference: neither {contenders.REFERENCE} nor {fallback} loads")
+    selected = select_cases(args)
+    rng = random.Random(args.seed)
+    jobs = []
+    for round_ in range(args.processes):
+        order = list(selected)
+        rng.shuffle(order)
+        jobs += [
+            {
+                "case": case.key,
+                "round": round_,
+                "seed": rng.randrange(2**32),
+                "contenders": names,
+                "reference": reference,
+                "samples": args.samples,
+                "target_ns": int(args.sample_ms * 1e6),
+                "cpu": args.cpu,
+            }
+            for case in order
+        ]
+    started = time.time()
+    records = run_jobs(jobs)
+    return {
+        "machine": machine.describe(),
+        "settings": {
+            "reference": reference,
+            "contenders": names,
+            "skipped": skipped,
+            "cases": [case.key for case in selected],
+            "processes": args.processes,
+            "samples": args.samples,
+            "sample_ms": args.sample_ms,
+            "seed": args.seed,
+            "quick": args.quick,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "seconds": round(time.time() - started, 1),
+        },
+        "records": records,
+    }
+
+
+def save(results: dict[str, Any], out: Path | None) -> Path:
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        kind = "quick" if results["settings"]["quick"] else "full"
+        out = RESULTS / f"{stamp}-{platform.node()}-{kind}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    return out
+
+
+def publish(results: dict[str, Any], path: Path) -> None:
+    print(report.table(results))
+    if results["settings"]["reference"] == contenders.REFERENCE:
+        print()
+        print(report.targets(results))
+    print(f"\nraw samples: {path}", file=sys.stderr)
+    if chart.available():
+        png = path.with_suffix(".png")
+        chart.draw(results, png)
+        print(f"chart: {png}", file=sys.stderr)
+    else:
+        print(
+            "chart skipped: matplotlib is missing (pip install 'kvqueue[bench]')", file=sys.stderr
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.merge:
+        loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.merge]
+        if len(loaded) == 1:
+            publish(loaded[0], args.merge[0])
+        else:
+            print(report.merged_table(loaded))
+        return
+    results = bench(args)
+    publish(results, save(results, args.out))
+
+
+if __name__ == "__main__":
+    main()
