@@ -13,9 +13,10 @@ KV-cache group, prefix caching on), one scheduler step at a time:
 1. finished requests are freed: ``free_blocks(reversed(blocks))``, so blocks with a hash go
    to the back of the free queue (``append_n``) and blocks without one to the front
    (``prepend_n``);
-2. every running request decodes one token: a request whose blocks are full first gets one
-   block (``get_new_blocks(1)``: the decode case); a block that becomes full is registered
-   in the prefix cache (``cache_full_blocks``);
+2. every running request decodes one token: the free count is checked for it (vLLM's
+   ``allocate_slots`` reads ``get_num_free_blocks()`` for every request, every step); a
+   request whose blocks are full first gets one block (``get_new_blocks(1)``: the decode
+   case); a block that becomes full is registered in the prefix cache (``cache_full_blocks``);
 3. waiting requests are admitted first come, first served while a batch slot is free and
    the pool can hold them to completion: the longest cached prefix is looked up block by
    block (``get_cached_block``), taken (``touch``: a cached block that was free leaves the
@@ -247,6 +248,7 @@ class Scheduler:
         self.record = record
         self.log: list[tuple[Any, ...]] = []  # per step, when recording
         self._events: list[tuple[Any, ...]] = []
+        self.timed_stats: dict[str, int] = {}
         self.stats = {
             "admitted": 0,
             "finished": 0,
@@ -295,9 +297,13 @@ class Scheduler:
                 still.append(req)
         self.running = still
 
-        # 2. Decode one token per running request.
+        # 2. Decode one token per running request. Like vLLM's allocate_slots, check the free
+        #    count for every request, whether or not it needs a block this step.
         for req in still:
-            if req.num_tokens % bs == 0:
+            need = req.num_tokens % bs == 0
+            if need > pool.get_num_free_blocks() - self.reserved + req.reserved:
+                raise AssertionError("admission reserved this request's blocks")
+            if need:
                 req.blocks.extend(self._new_blocks(1))
                 req.reserved -= 1
                 self.reserved -= 1
@@ -360,13 +366,19 @@ class Scheduler:
     def timed_run(
         self, warmup: int, steps: int, clock: Callable[[], float] = time.perf_counter
     ) -> float:
-        """Run ``warmup`` steps untimed, then ``steps`` timed ones; their seconds."""
+        """Run ``warmup`` steps untimed, then ``steps`` timed ones; their seconds.
+
+        ``self.timed_stats`` then holds the counters of the timed steps alone.
+        """
         self.run(warmup)
+        before = dict(self.stats)
         step = self.step
         start = clock()
         for _ in range(steps):
             step()
-        return clock() - start
+        elapsed = clock() - start
+        self.timed_stats = {k: v - before[k] for k, v in self.stats.items()}
+        return elapsed
 
 
 # -- the queue's own share: record the calls a run makes, replay them alone --------------
@@ -425,9 +437,15 @@ class _LoggingQueue:
 
 
 def replay_queue_ops(
-    log: QueueLog, queue_class: type, block_class: type, clock: Callable[[], float]
+    log: QueueLog,
+    queue_class: type,
+    block_class: type,
+    clock: Callable[[], float],
+    start_at: int = 0,
 ) -> tuple[float, float]:
     """Replay ``log``'s calls on a fresh ``queue_class`` over fresh blocks.
+
+    The calls before ``start_at`` (e.g. the warm-up steps') run untimed first.
 
     Returns (seconds for the calls, seconds for the same loop calling ``id``), so that the
     difference is the queue's own time (its method calls included, as the pool makes them).
@@ -447,6 +465,9 @@ def replay_queue_ops(
             calls.append((getattr(queue, op), [blocks[i] for i in arg]))
         else:
             calls.append((getattr(queue, op), arg))
+    for fn, arg in calls[:start_at]:
+        fn(arg)
+    calls = calls[start_at:]
     # The baseline calls a C no-op: what remains is the queue's own work.
     null_calls = [(id, arg) for _, arg in calls]
     start = clock()
