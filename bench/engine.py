@@ -3,6 +3,7 @@
     python bench/engine.py                 # both traces, 9 fresh processes (about 5 minutes)
     python bench/engine.py --quick         # 3 processes, shorter traces
     python bench/engine.py --profile       # where a step's time goes (cProfile), per queue
+    python bench/engine.py --ops           # ns per queue call, by kind, per queue
     python bench/engine.py --processes 15 --reps 7 --out results.json
 
 The block pool is vLLM 0.33.0's own ``BlockPool`` (bench/engine_pool.py), with its
@@ -399,11 +400,75 @@ def profile(args: argparse.Namespace) -> None:
 _QUEUE_METHODS = {"popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"}
 
 
+def op_breakdown(args: argparse.Namespace) -> None:
+    """Per queue call kind: ns per call, replayed alone, each call timed on its own."""
+    pin(args.cpu)
+    engine = engine_pool.load_engine(VERSION)
+    queues = queue_classes(engine)
+    clock = time.perf_counter_ns
+    for trace_name in args.traces:
+        params = trace_params(trace_name, args.quick)
+        trace = engine_trace.make_trace(params, engine)
+        log, mark = record_queue_calls(engine, trace)
+        kinds = sorted({_kind(op, arg) for op, arg in log.ops[mark:]})
+        table: dict[str, dict[str, float]] = {}
+        for name, queue_class in queues.items():
+            per_kind: dict[str, list[int]] = {k: [] for k in kinds}
+            for _ in range(5):
+                blocks = [engine.KVCacheBlock(i) for i in range(log.num_blocks)]
+                queue = queue_class(blocks)
+                queue.popleft()
+                for index, (op, arg) in enumerate(log.ops[1:], 1):
+                    if op == "num_free_blocks":
+                        start = clock()
+                        queue.num_free_blocks  # noqa: B018
+                        elapsed = clock() - start
+                    else:
+                        value = (
+                            blocks[arg]
+                            if op in ("remove", "append")
+                            else [blocks[i] for i in arg]
+                            if op in ("append_n", "prepend_n")
+                            else arg
+                        )
+                        method = getattr(queue, op)
+                        start = clock()
+                        method(value)
+                        elapsed = clock() - start
+                    if index >= mark:
+                        per_kind[_kind(op, arg)].append(elapsed)
+            overhead = median(-clock() + clock() for _ in range(10000))
+            table[name] = {k: median(v) - overhead for k, v in per_kind.items() if v}
+        counts = {k: sum(1 for op, a in log.ops[mark:] if _kind(op, a) == k) for k in kinds}
+        steps = params.steps - params.warmup_steps
+        print(f"\n## {trace_name}: median ns per queue call (each timed alone, timer cost off)")
+        print("| call | per step | " + " | ".join(queues) + " |")
+        print("|---|---:|" + "---:|" * len(queues))
+        for kind in kinds:
+            cells = " | ".join(f"{table[n].get(kind, 0):.0f}" for n in queues)
+            print(f"| {kind} | {counts[kind] / steps:.2f} | {cells} |")
+        totals = " | ".join(
+            f"{sum(table[n].get(k, 0) * counts[k] for k in kinds) / steps / 1000:.2f}"
+            for n in queues
+        )
+        print(f"| **us per step** | | {totals} |")
+        engine.use_queue(engine.vllm_queue)
+
+
+def _kind(op: str, arg: Any) -> str:
+    if op == "popleft_n":
+        return "popleft_n(1)" if arg == 1 else "popleft_n(>1)"
+    if op in ("append_n", "prepend_n"):
+        return f"{op}(1)" if len(arg) == 1 else f"{op}(>1)"
+    return op
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="3 processes, shorter traces")
     parser.add_argument("--profile", action="store_true", help="cProfile breakdown instead")
+    parser.add_argument("--ops", action="store_true", help="ns per queue call kind instead")
     parser.add_argument("--processes", type=int, help="fresh processes (9; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
     parser.add_argument("--traces", default=",".join(engine_trace.TRACES), help="comma-separated")
@@ -422,6 +487,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.profile:
         profile(args)
+        return
+    if args.ops:
+        op_breakdown(args)
         return
     args.processes = args.processes or (3 if args.quick else 9)
     args.reps = args.reps or (3 if args.quick else 5)

@@ -257,7 +257,7 @@ class Engine:
         pool_class: type = self.block_pool.BlockPool
         return pool_class
 
-    def use_queue(self, queue_class: type) -> None:
+    def use_queue(self, queue_class: Callable[..., Any]) -> None:
         """Make ``BlockPool(...)`` build ``queue_class`` (as kvqueue.vllm.install does)."""
         setattr(self.block_pool, "FreeKVCacheBlockQueue", queue_class)  # noqa: B010
 

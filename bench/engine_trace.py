@@ -300,10 +300,10 @@ class Scheduler:
         # 2. Decode one token per running request. Like vLLM's allocate_slots, check the free
         #    count for every request, whether or not it needs a block this step.
         for req in still:
-            need = req.num_tokens % bs == 0
-            if need > pool.get_num_free_blocks() - self.reserved + req.reserved:
+            needs_block = req.num_tokens % bs == 0
+            if needs_block > pool.get_num_free_blocks() - self.reserved + req.reserved:
                 raise AssertionError("admission reserved this request's blocks")
-            if need:
+            if needs_block:
                 req.blocks.extend(self._new_blocks(1))
                 req.reserved -= 1
                 self.reserved -= 1
