@@ -170,6 +170,9 @@ cdef class FreeKVCacheBlockQueue:
         self.fake_free_list_head = head
         self.fake_free_list_tail = tail
         self._tp = tp
+        # Python code ran since `n` was read (the block class, its constructor,
+        # finalizers), and `seq` may be the caller's own list: read it again.
+        n = PySequence_Fast_GET_SIZE(seq)
         if n:
             self._link("FreeKVCacheBlockQueue", head, tail, seq, n)
 
