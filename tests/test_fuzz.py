@@ -1,0 +1,62 @@
+"""The fuzz programs, each seed in its own process: a crash or a hang fails one test.
+
+Fast by default: 3 seeds of a few thousand operations per program and twin.
+The long mode, ``KVQUEUE_FUZZ_LONG=1``, runs 25 seeds of 7 times as many;
+``KVQUEUE_FUZZ_SEED`` moves the seeds (a failure names its seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+LONG = os.environ.get("KVQUEUE_FUZZ_LONG", "") not in ("", "0")
+FIRST_SEED = int(os.environ.get("KVQUEUE_FUZZ_SEED", "0"))
+SEEDS = range(FIRST_SEED, FIRST_SEED + (25 if LONG else 3))
+# Operations per program run; the timeout is far above any normal run.
+OPS = {"fuzz_diff": 3000, "fuzz_reentrant": 2000, "fuzz_chaos": 2000}
+TIMEOUT = 1800 if LONG else 120
+
+CASES = [
+    # fuzz_diff runs both twins against each other, so it needs the compiled one.
+    pytest.param("fuzz_diff", "c", id="diff", marks=pytest.mark.c_extension),
+    pytest.param("fuzz_reentrant", "c", id="reentrant-c", marks=pytest.mark.c_extension),
+    pytest.param("fuzz_reentrant", "py", id="reentrant-py"),
+    pytest.param("fuzz_chaos", "c", id="chaos-c", marks=pytest.mark.c_extension),
+    pytest.param("fuzz_chaos", "py", id="chaos-py"),
+]
+
+
+def run_program(program: str, twin: str, seed: int, ops: int) -> dict[str, int]:
+    """Run one fuzz program in a fresh ``python -X dev -W error``; its counters."""
+    command = [sys.executable, "-X", "dev", "-W", "error", str(HERE / f"{program}.py")]
+    try:
+        done = subprocess.run(
+            [*command, twin, str(seed), str(ops)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{program} {twin} seed {seed} hung (> {TIMEOUT} s)")
+    assert done.returncode == 0, (
+        f"{program} {twin} seed {seed} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+    )
+    assert done.stderr == "", done.stderr[-4000:]
+    stats: dict[str, int] = json.loads(done.stdout.splitlines()[-1])
+    return stats
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("program", "twin"), CASES)
+def test_fuzz_program(program: str, twin: str, seed: int) -> None:
+    ops = OPS[program] * (7 if LONG else 1)
+    stats = run_program(program, twin, seed, ops)
+    assert stats["ops"] == ops
