@@ -1,0 +1,175 @@
+"""Hostile programs that crashed or corrupted the compiled twin once, kept as
+regression cases. Each is a function of the twin's module name, run by
+test_hostile.py in its own process (a crash must fail one test, not the run).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+from contextlib import suppress
+from types import ModuleType
+from typing import Any
+
+from fuzz_common import well_formed
+
+from kvqueue import KVCacheBlock
+
+
+class _PopOnCollect:
+    """Cyclic garbage whose finalizer pops the queue's first block and drops it."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+        self.me = self
+
+    def __del__(self) -> None:
+        self.queue.popleft()
+
+
+def _collect_inside(mod: ModuleType, method: str) -> None:
+    # The queue holds the only references to its blocks, so the popped one is
+    # freed inside the call. 3.11 collects at the allocation itself (3.12+
+    # defers to the next bytecode); the list free list is drained so that the
+    # method's list allocation is one the collector counts.
+    queue = mod.FreeKVCacheBlockQueue([KVCacheBlock(i) for i in range(40)])
+    call = getattr(queue, method)  # a bound method is an allocation: make it first
+    args = (2,) if method == "popleft_n" else ()
+    for _ in range(5):
+        gc.set_threshold(0)
+        drained: list[Any] = [[] for _ in range(100)]
+        _PopOnCollect(queue)
+        gc.set_threshold(1)
+        try:
+            result = call(*args)
+        finally:
+            gc.set_threshold(700)
+        del drained
+        assert well_formed(queue) is None, well_formed(queue)
+        assert all(b.block_id >= 0 for b in result)
+
+
+def collect_inside_popleft_n(name: str) -> None:
+    _collect_inside(importlib.import_module(name), "popleft_n")
+
+
+def collect_inside_get_all_free_blocks(name: str) -> None:
+    _collect_inside(importlib.import_module(name), "get_all_free_blocks")
+
+
+def repr_finds_the_half_built_result(name: str) -> None:
+    """An error message's repr hunts popleft_n's result list, half filled."""
+    mod = importlib.import_module(name)
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = mod.FreeKVCacheBlockQueue(blocks)
+
+    class Hunter:
+        def __repr__(self) -> str:
+            for obj in gc.get_objects():
+                if type(obj) is list and len(obj) == 4 and obj and obj[0] is blocks[0]:
+                    [type(item) for item in obj]  # reads every slot
+                    obj.clear()
+            return "Hunter()"
+
+    blocks[2].next_free_block = Hunter()  # type: ignore[assignment]
+    try:
+        queue.popleft_n(4)
+    except (RuntimeError, AttributeError):
+        pass
+    else:
+        raise AssertionError("popleft_n followed a corrupted link")
+
+
+def metaclass_lends_a_foreign_slot(name: str) -> None:
+    """A block class whose metaclass passes off another class's slots, far
+    past the end of its own instances, must be refused."""
+    mod = importlib.import_module(name)
+
+    class Yes(type):
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return True
+
+    class Big(metaclass=Yes):
+        __slots__ = tuple(f"s{i}" for i in range(2000))
+
+    class Lender(type):
+        def __getattribute__(cls, attr: str) -> Any:
+            if attr == "prev_free_block":
+                return Big.__dict__["s1998"]
+            if attr == "next_free_block":
+                return Big.__dict__["s1999"]
+            return super().__getattribute__(attr)
+
+    class Small(metaclass=Lender):
+        __slots__ = ("block_id",)
+
+        def __init__(self, block_id: int) -> None:
+            self.block_id = block_id
+
+    try:
+        mod.FreeKVCacheBlockQueue([Small(i) for i in range(3)])
+    except TypeError:
+        return
+    except AttributeError:
+        # The pure twin takes the descriptor, then finds no such attribute.
+        if not name.endswith("_py"):
+            raise
+        return
+    raise AssertionError("a class with borrowed slots was accepted")
+
+
+def constructor_shrinks_the_batch(name: str) -> None:
+    """The sentinels' constructor empties the very list being linked."""
+    mod = importlib.import_module(name)
+    batch: list[Any] = []
+
+    class Shrinking(KVCacheBlock):
+        __slots__ = ()
+
+        def __init__(self, block_id: int, **kwargs: Any) -> None:
+            super().__init__(block_id, **kwargs)
+            if block_id == -1:
+                batch.clear()
+
+    batch += [Shrinking(i) for i in range(3)]
+    try:
+        queue = mod.FreeKVCacheBlockQueue(batch)
+    except IndexError:
+        return  # the pure twin may notice the list is gone
+    assert well_formed(queue) is None, well_formed(queue)
+
+
+def dying_cursor_block_advances_the_cursor(name: str) -> None:
+    """The block a cursor stands on is its last reference; its finalizer calls
+    the same cursor again while the cursor is moving off it."""
+    mod = importlib.import_module(name)
+    cursor: list[Any] = []
+
+    class Advancing(KVCacheBlock):
+        __slots__ = ()
+
+        def __del__(self) -> None:
+            # The pure twin's cursor is a generator, which cannot be re-entered.
+            with suppress(ValueError):
+                for _ in cursor[0]:
+                    pass
+
+    queue = mod.FreeKVCacheBlockQueue([Advancing(i) for i in range(4)])
+    cursor.append(queue.iter_blocks_after(None))
+    next(cursor[0])
+    queue.popleft()  # the cursor now holds the first block alone
+    assert [b.block_id for b in cursor[0]] in ([1, 2, 3], [])
+    assert well_formed(queue) is None
+
+
+CASES = (
+    "collect_inside_popleft_n",
+    "collect_inside_get_all_free_blocks",
+    "repr_finds_the_half_built_result",
+    "metaclass_lends_a_foreign_slot",
+    "constructor_shrinks_the_batch",
+    "dying_cursor_block_advances_the_cursor",
+)
+# The pure twin can be re-entered by a collection between any two bytecodes,
+# as vLLM's own queue can: only the compiled twin promises these stay whole.
+COMPILED_ONLY = ("collect_inside_popleft_n", "collect_inside_get_all_free_blocks")
