@@ -38,7 +38,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import islice
-from operator import attrgetter
 from typing import Any
 
 from engine_pool import Engine, vllm_sha256
@@ -436,6 +435,17 @@ class _LoggingQueue:
         return self._q.iter_blocks_after(cursor)  # type: ignore[no-any-return]
 
 
+_KINDS = {
+    "num_free_blocks": 0,
+    "popleft_n": 1,
+    "remove": 2,
+    "append_n": 3,
+    "prepend_n": 4,
+    "append": 5,
+    "popleft": 6,
+}
+
+
 def replay_queue_ops(
     log: QueueLog,
     queue_class: type,
@@ -445,44 +455,67 @@ def replay_queue_ops(
 ) -> tuple[float, float]:
     """Replay ``log``'s calls on a fresh ``queue_class`` over fresh blocks.
 
-    The calls before ``start_at`` (e.g. the warm-up steps') run untimed first.
+    The calls before ``start_at`` (e.g. the warm-up steps') run untimed first. The calls are
+    made as the pool makes them (``queue.popleft_n(n)``, ``queue.num_free_blocks``), from a
+    loop that branches on the call's kind.
 
-    Returns (seconds for the calls, seconds for the same loop calling ``id``), so that the
-    difference is the queue's own time (its method calls included, as the pool makes them).
+    Returns (seconds for the calls, seconds for the same loop making no call), so that the
+    difference is the queue's own time, method lookups and calls included.
     """
     blocks = [block_class(i) for i in range(log.num_blocks)]
     queue = queue_class(blocks)
-    getter = attrgetter("num_free_blocks")
-    calls: list[tuple[Callable[[Any], Any], Any]] = []
+    ops: list[tuple[int, Any]] = []
     for op, arg in log.ops:
-        if op == "num_free_blocks":
-            calls.append((getter, queue))
-        elif op == "popleft":
-            calls.append((_call0(queue.popleft), None))
-        elif op in ("remove", "append"):
-            calls.append((getattr(queue, op), blocks[arg]))
+        if op in ("remove", "append"):
+            arg = blocks[arg]
         elif op in ("append_n", "prepend_n"):
-            calls.append((getattr(queue, op), [blocks[i] for i in arg]))
-        else:
-            calls.append((getattr(queue, op), arg))
-    for fn, arg in calls[:start_at]:
-        fn(arg)
-    calls = calls[start_at:]
-    # The baseline calls a C no-op: what remains is the queue's own work.
-    null_calls = [(id, arg) for _, arg in calls]
+            arg = [blocks[i] for i in arg]
+        ops.append((_KINDS[op], arg))
+    _replay(queue, ops[:start_at])
+    ops = ops[start_at:]
     start = clock()
-    for fn, arg in calls:
-        fn(arg)
+    _replay(queue, ops)
     elapsed = clock() - start
     start = clock()
-    for fn, arg in null_calls:
-        fn(arg)
+    _replay_nothing(queue, ops)
     baseline = clock() - start
     return elapsed, baseline
 
 
-def _call0(fn: Callable[[], Any]) -> Callable[[Any], Any]:
-    def call(_: Any) -> Any:
-        return fn()
+def _replay(q: Any, ops: list[tuple[int, Any]]) -> None:
+    for kind, arg in ops:
+        if kind == 0:
+            q.num_free_blocks  # noqa: B018
+        elif kind == 1:
+            q.popleft_n(arg)
+        elif kind == 2:
+            q.remove(arg)
+        elif kind == 3:
+            q.append_n(arg)
+        elif kind == 4:
+            q.prepend_n(arg)
+        elif kind == 5:
+            q.append(arg)
+        elif kind == 6:
+            q.popleft()
 
-    return call
+
+def _replay_nothing(q: Any, ops: list[tuple[int, Any]]) -> None:
+    # The same branches, each storing a constant instead of calling the queue.
+    last = -1
+    for kind, _arg in ops:
+        if kind == 0:
+            last = 0
+        elif kind == 1:
+            last = 1
+        elif kind == 2:
+            last = 2
+        elif kind == 3:
+            last = 3
+        elif kind == 4:
+            last = 4
+        elif kind == 5:
+            last = 5
+        elif kind == 6:
+            last = 6
+    del last

@@ -15,6 +15,11 @@ and every public method of vLLM's queue must exist on kvqueue's. Anything else
 raises :class:`VLLMLayoutError` and leaves vLLM untouched.
 
 Importing this module does not import vLLM; :func:`install` does.
+
+It patches the calling process. vLLM's engine core, where the block pool lives, runs in a
+child process by default: a forked child (vLLM's default start method) inherits the patch;
+a spawned one does not, so there call :func:`install` in the child too, or keep the engine
+core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 from __future__ import annotations
