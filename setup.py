@@ -22,9 +22,12 @@ if _pure_build():
 else:
     from Cython.Build import cythonize
 
-    setup(
-        ext_modules=cythonize(
-            [Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"], optional=True)],
-            compiler_directives={"language_level": "3"},
-        )
+    extensions = cythonize(
+        [Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"], optional=True)],
+        compiler_directives={"language_level": "3"},
     )
+    # cythonize() rebuilds each Extension from a fixed list of settings and drops
+    # ``optional``: without this, a missing compiler fails the install.
+    for extension in extensions:
+        extension.optional = True
+    setup(ext_modules=extensions)

@@ -214,6 +214,8 @@ PY
     mkdir -p "$SUITE"
     cp -r "$ROOT/tests" "$SUITE/tests"
     cp "$ROOT/pyproject.toml" "$SUITE/"
+    # Some tests load helpers from ../bench: it holds no kvqueue code.
+    [[ -d "$ROOT/bench" ]] && cp -r "$ROOT/bench" "$SUITE/bench" && rm -rf "$SUITE/bench/results"
     rm -rf "$SUITE/tests/__pycache__" "$SUITE/tests/.hypothesis"
     runpy=(qemu-aarch64-static -L "$SYSROOT" "$TPY")
     # Tests that start `sys.executable` (a subprocess) cannot exec an aarch64
