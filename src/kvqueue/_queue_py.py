@@ -86,7 +86,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
     def popleft(self) -> B:
         """Pop the first free block."""
         head: Any = self._head
-        first = head.next_free_block
+        first: B = head.next_free_block
         if first is self._tail or first is None:
             if self._num_free_blocks != 0:
                 raise _errors.out_of_sync(self._num_free_blocks)
@@ -98,7 +98,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         next_block.prev_free_block = head
         first.prev_free_block = first.next_free_block = None
         self._num_free_blocks -= 1
-        return cast(B, first)
+        return first
 
     def popleft_n(self, n: int, /) -> list[B]:
         """Pop the first ``n`` free blocks, in order."""
@@ -126,20 +126,22 @@ class FreeKVCacheBlockQueue(Generic[B]):
             curr.prev_free_block = curr.next_free_block = None
             self._num_free_blocks = num - 1
             return [curr]
-        # Walk first, unlink after: a short or broken list raises untouched.
+        # One pass, as vLLM's; a short or broken list is put back as it was.
         ret: list[B] = []
         append = ret.append
         for _ in range(n):
             if curr is None or curr is tail:
+                _relink(head, ret, curr)
                 raise _errors.out_of_sync(num)
             append(curr)
-            curr = curr.next_free_block
+            next_block = curr.next_free_block
+            curr.prev_free_block = curr.next_free_block = None
+            curr = next_block
         if curr is None:
+            _relink(head, ret, curr)
             raise _errors.invalid_next("popleft_n")
         head.next_free_block = curr
         curr.prev_free_block = head
-        for block in ret:
-            block.prev_free_block = block.next_free_block = None
         self._num_free_blocks = num - n
         return ret
 
@@ -176,18 +178,36 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     def append_n(self, blocks: Iterable[B], /) -> None:
         """Put ``blocks`` at the end of the queue, in order."""
-        blocks = _as_sequence(blocks, "append_n")
+        # The common list skips the call, which costs as much as linking a block.
+        if type(blocks) is not list and type(blocks) is not tuple:
+            blocks = _as_sequence(blocks, "append_n")
         if not blocks:
             return
         tail: Any = self._tail
         last_block = tail.prev_free_block
         if last_block is None:
             raise AssertionError(_errors.TAIL_LOST)
+        if len(blocks) == 1:
+            # One block, the most frequent batch: linked inline as append() does. Only
+            # an exact-type, unlinked block takes this path; _link raises for the rest.
+            block = blocks[0]
+            if (
+                type(block) is self._block_type
+                and block.prev_free_block is None
+                and block.next_free_block is None
+            ):
+                last_block.next_free_block = block
+                block.prev_free_block = last_block
+                block.next_free_block = tail
+                tail.prev_free_block = block
+                self._num_free_blocks += 1
+                return
         self._link("append_n", last_block, tail, blocks)
 
     def prepend_n(self, blocks: Iterable[B], /) -> None:
         """Put ``blocks`` at the front of the queue (evicted first), in order."""
-        blocks = _as_sequence(blocks, "prepend_n")
+        if type(blocks) is not list and type(blocks) is not tuple:
+            blocks = _as_sequence(blocks, "prepend_n")
         if not blocks:
             return
         head: Any = self._head
@@ -201,7 +221,9 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
         Each block is checked as it is linked; on the first bad one the links
         made so far are undone. A block seen twice is caught because its first
-        visit already gave it a ``prev_free_block``.
+        visit already gave it a ``prev_free_block``. The checks cost about half
+        of vLLM's loop again: they are what keeps a bad batch from corrupting
+        the list.
         """
         block_type = self._block_type
         prev: Any = left
@@ -212,19 +234,17 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 if block.prev_free_block is not None or block.next_free_block is not None:
                     break
                 block.prev_free_block = prev
-                if prev is not left:
-                    prev.next_free_block = block
+                prev.next_free_block = block
                 prev = block
             else:
                 prev.next_free_block = right
                 right.prev_free_block = prev
-                left.next_free_block = blocks[0]
                 self._num_free_blocks += len(blocks)
                 return
         except BaseException:
-            _unlink_run(blocks[0], prev, left)
+            _unlink_run(blocks[0], prev, left, right)
             raise
-        position = _unlink_run(blocks[0], prev, left)
+        position = _unlink_run(blocks[0], prev, left, right)
         if type(block) is not block_type and not is_subtype(type(block), block_type):
             raise _errors.not_a_block(block, block_type, f"{method}()")
         raise _errors.already_linked(method, block, blocks, position, (self._head, self._tail))
@@ -292,8 +312,9 @@ def _as_sequence(blocks: Iterable[B], method: str) -> tuple[B, ...] | list[B]:
     return list(iterator)
 
 
-def _unlink_run(first: Any, last: Any, left: Any) -> int:
-    """Clear the links of the partly linked run ``first`` .. ``last``; its length."""
+def _unlink_run(first: Any, last: Any, left: Any, right: Any) -> int:
+    """Undo a partial ``_link`` of the run ``first`` .. ``last``; its length."""
+    left.next_free_block = right
     if last is left:
         return 0
     count = 1
@@ -305,3 +326,13 @@ def _unlink_run(first: Any, last: Any, left: Any) -> int:
         count += 1
     last.prev_free_block = last.next_free_block = None
     return count
+
+
+def _relink(head: Any, popped: list[Any], rest: Any) -> None:
+    """Undo a partial ``popleft_n``: ``popped`` were linked from ``head`` to ``rest``."""
+    prev = head
+    for block in popped:
+        block.prev_free_block = prev
+        prev.next_free_block = block
+        prev = block
+    prev.next_free_block = rest
