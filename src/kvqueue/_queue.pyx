@@ -181,22 +181,27 @@ cdef class FreeKVCacheBlockQueue:
             raise RuntimeError("the queue is not initialized")
         return 0
 
-    cdef PyObject *_read(self, PyObject *block, Py_ssize_t offset) except NULL:
+    cdef inline PyObject *_read(self, PyObject *block, Py_ssize_t offset) except NULL:
         """The link at ``offset``, borrowed; AttributeError if unset, as from Python."""
         cdef PyObject *value = kvq_get(block, offset)
         if value is NULL:
-            name = "prev_free_block" if offset == self._prev else "next_free_block"
-            # The slot descriptor raises the interpreter's own AttributeError.
-            getattr(<object>block, name)
-            raise AttributeError(name)
+            return self._unset(block, offset)
         return value
 
-    cdef PyObject *_follow(self, PyObject *block, Py_ssize_t offset, str where) except NULL:
-        """The link at ``offset``: None or a block, else RuntimeError."""
-        cdef PyObject *value = self._read(block, offset)
-        if value is not NONE and not kvq_is_block(value, self._tp):
-            raise _errors.corrupted(where, <object>value)
-        return value
+    cdef inline PyObject *_follow(self, PyObject *block, Py_ssize_t offset, str where) except NULL:
+        """The link at ``offset``: None or a block, else an exception."""
+        cdef PyObject *value = kvq_get(block, offset)
+        if value is NONE or (value is not NULL and kvq_is_block(value, self._tp)):
+            return value
+        if value is NULL:
+            return self._unset(block, offset)
+        raise _errors.corrupted(where, <object>value)
+
+    cdef PyObject *_unset(self, PyObject *block, Py_ssize_t offset) except NULL:
+        name = "prev_free_block" if offset == self._prev else "next_free_block"
+        # The slot descriptor raises the interpreter's own AttributeError.
+        getattr(<object>block, name)
+        raise AttributeError(name)
 
     def popleft(self):
         """Pop the first free block."""
