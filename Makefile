@@ -9,7 +9,7 @@ SOURCES := pyproject.toml setup.py $(wildcard src/kvqueue/*)
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q ".[test,lint]" hypothesis
+	$(PY) -m pip install -q ".[test,lint]"
 	touch $@
 
 # The suite runs against the installed package, never against src/.
