@@ -52,6 +52,20 @@ def test_missing_extension_falls_back() -> None:
     assert run(NO_EXTENSION) == "python kvqueue._queue_py"
 
 
+# What PyPy or GraalPy would report; the shim must not even try the extension.
+OTHER_INTERPRETER = (
+    """
+import sys, types
+sys.implementation = types.SimpleNamespace(**{**vars(sys.implementation), "name": "pypy"})
+"""
+    + PROBE
+)
+
+
+def test_other_interpreters_get_the_pure_twin() -> None:
+    assert run(OTHER_INTERPRETER) == "python kvqueue._queue_py"
+
+
 def test_public_api() -> None:
     out = run(
         "import kvqueue; print(sorted(kvqueue.__all__)); "
