@@ -45,23 +45,9 @@ UTILS_FILE = "vllm/v1/core/kv_cache_utils.py"
 UTILS = "vllm.v1.core.kv_cache_utils"
 POOL = "vllm.v1.core.block_pool"
 
-# The top-level definitions of kv_cache_utils.py that block_pool.py (and the trace) use.
-UTILS_NAMES = (
-    "BlockHash",
-    "BlockHashWithGroupId",
-    "ExternalBlockHash",
-    "make_block_hash_with_group_id",
-    "get_block_hash",
-    "get_group_id",
-    "maybe_convert_block_hash",
-    "KVCacheBlock",
-    "FreeKVCacheBlockQueue",
-    "to_event_extra_keys",
-    "hash_block_tokens",
-    "BlockHashListWithBlockSize",
-    "BlockHashList",
-    "resolve_block_hashes",
-)
+# Besides what block_pool.py imports from kv_cache_utils.py, the definitions those need
+# (and the trace's hash_block_tokens), where this version has them.
+UTILS_HELPERS = ("hash_block_tokens", "BlockHashListWithBlockSize", "BlockHashList")
 
 
 def vllm_sha256(value: Any) -> bytes:
@@ -168,8 +154,21 @@ def _defined_names(node: ast.stmt) -> list[str]:
     return []
 
 
+def _pool_imports(version: str) -> list[str]:
+    """The names block_pool.py imports from kv_cache_utils.py."""
+    tree = ast.parse(vllm_source.vllm_file(version, POOL_FILE))
+    return [
+        alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module == UTILS
+        for alias in node.names
+    ]
+
+
 def _load_utils(version: str) -> types.ModuleType:
-    """The parts of kv_cache_utils.py named in UTILS_NAMES, exec'd from the wheel."""
+    """What block_pool.py imports from kv_cache_utils.py, and its helpers, from the wheel."""
+    required = set(_pool_imports(version)) | {"hash_block_tokens"}
+    wanted_names = required | set(UTILS_HELPERS)
     tree = ast.parse(vllm_source.vllm_file(version, UTILS_FILE))
     module = types.ModuleType(UTILS)
     namespace = module.__dict__
@@ -183,10 +182,10 @@ def _load_utils(version: str) -> types.ModuleType:
             _bind_imports_lenient(node, namespace, provided)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             stdlib.append(node)
-        elif names := [n for n in _defined_names(node) if n in UTILS_NAMES]:
+        elif names := [n for n in _defined_names(node) if n in wanted_names]:
             wanted.append(node)
             found.update(names)
-    missing = set(UTILS_NAMES) - found
+    missing = required - found
     if missing:
         raise LookupError(f"vllm {version} {UTILS_FILE} lacks {sorted(missing)}")
     # @dataclass resolves string annotations in sys.modules[cls.__module__]: register briefly.

@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's real BlockPool, driven by a seeded serving trace: kvqueue changes nothing.
+"""vLLM's real BlockPool (0.33.0, and 0.30.0), driven by a seeded serving trace: kvqueue
+changes nothing.
 
 The pool and its helpers are exec'd from the published wheel (bench/engine_pool.py), and
 kvqueue goes in through ``kvqueue.vllm.install()``, as it would in a real engine. With
@@ -20,7 +21,8 @@ import pytest
 
 import kvqueue.vllm as kv_vllm
 
-VERSION = "0.33.0"
+# kvqueue.vllm knows vLLM 0.30 to 0.33: both ends, with their own block pools.
+VERSIONS = ("0.33.0", "0.30.0")
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -30,14 +32,15 @@ def _bench_module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-@pytest.fixture(scope="module")
-def engine() -> Any:
+@pytest.fixture(scope="module", params=VERSIONS, ids=lambda v: f"vllm-{v}")
+def engine(request: pytest.FixtureRequest) -> Any:
+    version = request.param
     vllm_source = _bench_module("vllm_source")
     try:
-        vllm_source.vllm_file(VERSION, "vllm/v1/core/block_pool.py")
+        vllm_source.vllm_file(version, "vllm/v1/core/block_pool.py")
     except Exception as exc:  # no network, no pip, no such release: nothing to test against
-        pytest.skip(f"cannot fetch the vllm {VERSION} wheel ({type(exc).__name__}: {exc})")
-    return _bench_module("engine_pool").load_engine(VERSION)
+        pytest.skip(f"cannot fetch the vllm {version} wheel ({type(exc).__name__}: {exc})")
+    return _bench_module("engine_pool").load_engine(version)
 
 
 def _small(params: Any) -> Any:
