@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Memory checks of the compiled twin, both with PYTHONMALLOC=malloc so that
+# every object is a malloc block the tools can see:
+#   1. AddressSanitizer: the extension built with -fsanitize=address (gcc's
+#      runtime, preloaded into the uninstrumented interpreter); the whole test
+#      suite, fuzz programs included, under python -X dev. Then the fuzz
+#      programs alone with LeakSanitizer on.
+#   2. valgrind memcheck on the normal build: the fuzz programs, the hostile
+#      cases and the invalid-operation tests (--full: the whole suite).
+# Findings (tools/memcheck_report.py): any invalid read/write/free, any leak
+# whose allocation stack passes through kvqueue. Logs stay in build/memcheck/.
+#
+# Usage: tools/memcheck.sh [--full]    (default: the short run CI does, ~3 min)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+full=0
+[[ "${1:-}" == "--full" ]] && full=1
+VENV="${VENV:-.venv}"
+PY="$VENV/bin/python"
+out="$PWD/build/memcheck"  # absolute: some steps run from tests/
+logs="$out/logs"
+
+install() {  # Debian packages (CI runs as root)
+    [[ -n "${apt_updated:-}" ]] || { apt-get update -qq; apt_updated=1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+command -v gcc >/dev/null || install gcc
+command -v valgrind >/dev/null || install valgrind
+libasan="$(gcc -print-file-name=libasan.so)"  # gcc's own runtime: no clang needed
+if [[ ! -e "$libasan" ]]; then
+    install libasan8
+    libasan="$(ldconfig -p | awk '/libasan\.so/ {print $NF; exit}')"
+fi
+
+make -s "$VENV/.ready" PYTHON="${PYTHON:-python3}" VENV="$VENV"
+rm -rf "$out" && mkdir -p "$logs"
+
+section() { printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
+
+# The fuzz programs as the suite runs them, fewer operations under valgrind.
+fuzz_runs() {  # $1: operations per program
+    for twin in c py; do
+        echo "fuzz_chaos.py $twin 0 $1"
+        echo "fuzz_reentrant.py $twin 0 $1"
+    done
+    echo "fuzz_diff.py c 0 $1"
+}
+
+section "AddressSanitizer build"
+CFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" LDFLAGS="-fsanitize=address" \
+    "$PY" setup.py -q build_ext --build-lib "$out/asan" --build-temp "$out/asan-tmp" 2>&1 |
+    grep -v "cannot be found" || true
+cp src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/py.typed "$out/asan/kvqueue/"
+asan() {  # $1: extra ASAN_OPTIONS; the rest: a command, run against the sanitized build
+    PYTHONPATH="$out/asan" PYTHONMALLOC=malloc LD_PRELOAD="$libasan" \
+        ASAN_OPTIONS="log_path=$logs/asan.log:$1" "${@:2}"
+}
+(cd tests && asan "" "../$PY" -c 'import kvqueue._queue as q; assert "/asan/" in q.__file__')
+
+section "the test suite under AddressSanitizer (python -X dev)"
+asan detect_leaks=0 "$PY" -X dev -m pytest -q -p no:cacheprovider tests
+
+section "fuzz programs under LeakSanitizer"
+while read -r program args; do
+    # Leaks fail no run here (the interpreter has its own at exit): the report
+    # sorts them. Any other finding is in the log too.
+    (cd tests && asan detect_leaks=1:exitcode=0 "../$PY" "$program" $args >/dev/null)
+done < <(fuzz_runs $((full ? 20000 : 3000)))
+
+section "valgrind memcheck"
+"$PY" setup.py -q build_ext --build-lib "$out/plain" --build-temp "$out/plain-tmp" 2>&1 |
+    grep -v "cannot be found" || true
+cp src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/py.typed "$out/plain/kvqueue/"
+vg() {  # subprocesses (the hostile cases) are followed too
+    PYTHONPATH="$out/plain" PYTHONMALLOC=malloc valgrind --tool=memcheck --quiet \
+        --suppressions="$PWD/tools/valgrind.supp" \
+        --trace-children=yes --leak-check=full --show-leak-kinds=definite \
+        --num-callers=40 --log-file="$logs/valgrind.%p.log" "$@"
+}
+while read -r program args; do
+    (cd tests && vg "../$PY" "$program" $args >/dev/null)
+done < <(fuzz_runs $((full ? 3000 : 400)))
+if ((full)); then
+    vg "$PY" -m pytest -q -p no:cacheprovider tests
+else
+    vg "$PY" -m pytest -q -p no:cacheprovider -m c_extension \
+        tests/test_invalid.py tests/test_hostile.py
+fi
+
+section "findings"
+"$PY" tools/memcheck_report.py "$logs"
