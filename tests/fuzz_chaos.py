@@ -195,7 +195,7 @@ class Chaos:
     def count(self, queue: Any) -> Any:
         rng = self.rng
         roll = rng.random()
-        size = queue.num_free_blocks
+        size = max(queue.num_free_blocks, 0)  # misuse can drive the count negative
         if roll < 0.6:
             return rng.randint(-2, size + 2)
         if roll < 0.8:
