@@ -83,6 +83,27 @@ cdef extern from *:
        counts take the same error paths as in-range ones. */
     #define kvq_clamped_ssize(o) PyNumber_AsSsize_t((o), NULL)
 
+    /* num_free_blocks as a read-only T_OBJECT_EX member, not Cython's getset
+       property: the 3.11+ interpreter reads such a member as fast as a
+       __slots__ field (LOAD_ATTR_SLOT), and vLLM's block pool reads the count
+       dozens of times per scheduler step. */
+    #define KVQ_COUNT_OFFSET ((Py_ssize_t)offsetof(struct KvqQueueObject, _num_obj))
+    static PyMemberDef kvq_count_member = {
+        "num_free_blocks", Py_T_OBJECT_EX, 0, Py_READONLY, "The number of free blocks."
+    };
+    static int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset)
+    {
+        PyObject *descr;
+        int err;
+        kvq_count_member.offset = offset;
+        descr = PyDescr_NewMember(tp, &kvq_count_member);
+        if (descr == NULL) return -1;
+        err = PyDict_SetItemString(tp->tp_dict, "num_free_blocks", descr);
+        Py_DECREF(descr);
+        PyType_Modified(tp);
+        return err;
+    }
+
     static inline int kvq_is_block(PyObject *o, PyTypeObject *tp)
     {
         return Py_TYPE(o) == tp || PyType_IsSubtype(Py_TYPE(o), tp);
@@ -94,6 +115,8 @@ cdef extern from *:
     object kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
     bint kvq_is_block(PyObject *o, PyTypeObject *tp)
     Py_ssize_t kvq_clamped_ssize(object o) except? -1
+    Py_ssize_t KVQ_COUNT_OFFSET
+    int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset) except -1
     void PyObject_GC_Track(object o)
     void PyObject_GC_UnTrack(object o)
 
@@ -126,7 +149,7 @@ cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
 
 @cython.final
 @cython.no_gc_clear
-cdef class FreeKVCacheBlockQueue:
+cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueType]:
     """vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
 
     The block class is that of ``blocks[0]``, or ``block_type`` (default
@@ -136,7 +159,14 @@ cdef class FreeKVCacheBlockQueue:
     # no_gc_clear: the sentinels must outlive any cycle collection that runs a
     # block's destructor which still calls into this queue; the cycle breaks at
     # the blocks, whose slots the collector clears.
-    cdef readonly Py_ssize_t num_free_blocks
+    # The count, and the same count as the int Python reads (see
+    # kvq_expose_count); _set_count keeps the two equal. The previous count's
+    # int is kept as a spare: a queue's count mostly swings between two values
+    # (alloc, free, alloc, ...), and reusing the int saves an allocation.
+    cdef Py_ssize_t _num
+    cdef object _num_obj
+    cdef Py_ssize_t _spare_num
+    cdef object _spare_obj
     cdef readonly object fake_free_list_head
     cdef readonly object fake_free_list_tail
     cdef readonly object block_type
@@ -169,12 +199,26 @@ cdef class FreeKVCacheBlockQueue:
         self.block_type = block_type
         self.fake_free_list_head = head
         self.fake_free_list_tail = tail
+        self._set_count(0, 0)
         self._tp = tp
         # Python code ran since `n` was read (the block class, its constructor,
         # finalizers), and `seq` may be the caller's own list: read it again.
         n = PySequence_Fast_GET_SIZE(seq)
         if n:
             self._link("FreeKVCacheBlockQueue", head, tail, seq, n)
+
+    cdef inline object _count_obj(self, Py_ssize_t num):
+        """The int for a new count; made before the links change, so that
+        storing it (``_set_count``) cannot fail halfway through an update."""
+        if num == self._spare_num and self._spare_obj is not None:
+            return self._spare_obj
+        return num
+
+    cdef inline void _set_count(self, Py_ssize_t num, object num_obj) noexcept:
+        self._spare_num = self._num
+        self._spare_obj = self._num_obj
+        self._num = num
+        self._num_obj = num_obj
 
     cdef inline int _check(self) except -1:
         if self._tp is NULL:
@@ -209,19 +253,20 @@ cdef class FreeKVCacheBlockQueue:
         head = self.fake_free_list_head
         cdef PyObject *first = self._follow(<PyObject *>head, self._next, "popleft()")
         if first is <PyObject *>self.fake_free_list_tail or first is NONE:
-            if self.num_free_blocks != 0:
-                raise _errors.out_of_sync(self.num_free_blocks)
+            if self._num != 0:
+                raise _errors.out_of_sync(self._num)
             raise _errors.empty()
         block = <object>first
         next_block = <object>self._follow(first, self._next, "popleft()")
         if next_block is None:
             raise _errors.invalid_next("popleft")
+        num_obj = self._count_obj(self._num - 1)
         # head.next held `block` (kept alive by the local); next.prev is swapped out.
         kvq_set(<PyObject *>head, self._next, <PyObject *>next_block)
         _old = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>head)
         _old_prev = kvq_swap(first, self._prev, NONE)
         kvq_set(first, self._next, NONE)
-        self.num_free_blocks -= 1
+        self._set_count(self._num - 1, num_obj)
         return block
 
     def popleft_n(self, n, /):
@@ -230,7 +275,7 @@ cdef class FreeKVCacheBlockQueue:
         # __index__ runs once, before any state is read: it may be Python code.
         index = PyNumber_Index(n)
         cdef Py_ssize_t count = kvq_clamped_ssize(index)
-        cdef Py_ssize_t num = self.num_free_blocks
+        cdef Py_ssize_t num = self._num
         cdef Py_ssize_t i
         if count <= 0:
             if count == 0:
@@ -244,7 +289,7 @@ cdef class FreeKVCacheBlockQueue:
         # collector, so no gc.get_objects() caller sees its empty slots.
         cdef list ret = PyList_New(count)
         PyObject_GC_UnTrack(ret)
-        num = self.num_free_blocks
+        num = self._num
         if count > num:
             raise _errors.too_many(index, num)
         head = self.fake_free_list_head
@@ -259,6 +304,7 @@ cdef class FreeKVCacheBlockQueue:
             curr = self._follow(curr, self._next, "popleft_n()")
         if curr is NONE:
             raise _errors.invalid_next("popleft_n")
+        num_obj = self._count_obj(num - count)
         # head.next held ret[0]; curr.prev is swapped out; the popped blocks'
         # links point at blocks held by `ret`, or at `head` and `curr`, which
         # the head keeps alive.
@@ -267,7 +313,7 @@ cdef class FreeKVCacheBlockQueue:
         for i in range(count):
             kvq_set(PyList_GET_ITEM(ret, i), self._prev, NONE)
             kvq_set(PyList_GET_ITEM(ret, i), self._next, NONE)
-        self.num_free_blocks = num - count
+        self._set_count(num - count, num_obj)
         PyObject_GC_Track(ret)
         return ret
 
@@ -281,11 +327,12 @@ cdef class FreeKVCacheBlockQueue:
         next_block = <object>self._follow(b, self._next, "remove()")
         if prev_block is None or next_block is None:
             raise _errors.invalid_remove(block)
+        num_obj = self._count_obj(self._num - 1)
         _old_next = kvq_swap(<PyObject *>prev_block, self._next, <PyObject *>next_block)
         _old_prev = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>prev_block)
         kvq_set(b, self._prev, NONE)
         kvq_set(b, self._next, NONE)
-        self.num_free_blocks -= 1
+        self._set_count(self._num - 1, num_obj)
 
     def append(self, block, /):
         """Put ``block`` at the end of the queue (evicted last)."""
@@ -301,11 +348,12 @@ cdef class FreeKVCacheBlockQueue:
             raise _errors.already_linked(
                 "append", block, (), 0, (self.fake_free_list_head, tail)
             )
+        num_obj = self._count_obj(self._num + 1)
         _old_next = kvq_swap(<PyObject *>last_block, self._next, b)
         kvq_set(b, self._prev, <PyObject *>last_block)
         kvq_set(b, self._next, <PyObject *>tail)
         kvq_set(<PyObject *>tail, self._prev, b)
-        self.num_free_blocks += 1
+        self._set_count(self._num + 1, num_obj)
 
     def append_n(self, blocks, /):
         """Put ``blocks`` at the end of the queue, in order."""
@@ -350,6 +398,9 @@ cdef class FreeKVCacheBlockQueue:
         cdef PyTypeObject *tp = self._tp
         cdef Py_ssize_t P = self._prev
         cdef Py_ssize_t N = self._next
+        # An int allocation cannot start a collection (ints are not tracked),
+        # so no Python code runs here before the loop reads `seq`.
+        num_obj = self._count_obj(self._num + n)
         for i in range(n):
             b = PySequence_Fast_GET_ITEM(seq, i)
             if kvq_is_block(b, tp):
@@ -373,7 +424,7 @@ cdef class FreeKVCacheBlockQueue:
         kvq_set(prev, N, <PyObject *>right)
         _old_prev = kvq_swap(<PyObject *>right, P, prev)
         _old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
-        self.num_free_blocks += n
+        self._set_count(self._num + n, num_obj)
         return 0
 
     cdef void _unlink_run(self, object seq, Py_ssize_t count) noexcept:
@@ -395,7 +446,7 @@ cdef class FreeKVCacheBlockQueue:
         )
         if curr is NONE:
             raise RuntimeError(_errors.HEAD_LOST)
-        cdef Py_ssize_t limit = self.num_free_blocks
+        cdef Py_ssize_t limit = self._num
         cdef PyObject *next_block
         while True:
             next_block = self._follow(curr, self._next, "get_all_free_blocks()")
@@ -424,14 +475,17 @@ cdef class FreeKVCacheBlockQueue:
         return _BlockIterator(self, self.fake_free_list_head)
 
     def __len__(self):
-        return self.num_free_blocks
+        return self._num
 
     def __repr__(self):
         name = "uninitialized" if self._tp is NULL else self.block_type.__qualname__
         return (
-            f"<{type(self).__qualname__} num_free_blocks={self.num_free_blocks} "
+            f"<{type(self).__qualname__} num_free_blocks={self._num} "
             f"block_type={name}>"
         )
+
+
+kvq_expose_count(<PyTypeObject *>FreeKVCacheBlockQueue, KVQ_COUNT_OFFSET)
 
 
 @cython.final
