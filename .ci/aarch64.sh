@@ -66,7 +66,7 @@ fi
 if [[ -n ${KVQUEUE_AARCH64_PYTHONS:-} ]]; then
     read -r -a MINORS <<<"$KVQUEUE_AARCH64_PYTHONS"
 else
-    defver=$(apt-cache "${APT[@]}" show python3 2>/dev/null | sed -n 's/^Version: \([0-9]*\.[0-9]*\).*/\1/p' | head -1)
+    defver=$(apt-cache "${APT[@]}" show python3 2>/dev/null | sed -n 's/^Version: \([0-9]*\.[0-9]*\).*/\1/p' | head -1 || true)
     [[ -n $defver ]] || die "cannot tell the arm64 archive's python3 version"
     MINORS=("$defver")
 fi
@@ -92,7 +92,7 @@ if [[ ! -f $stamp ]]; then
     rm -rf "$SYSROOT"; mkdir -p "$SYSROOT"
     while read -r deb; do
         f="$SR_BASE/debs/$deb"
-        [[ -f $f ]] || f=$(ls "$SR_BASE/debs/${deb%%_*}"_*_{arm64,all}.deb 2>/dev/null | head -1)
+        [[ -f $f ]] || f=$(ls "$SR_BASE/debs/${deb%%_*}"_*_{arm64,all}.deb 2>/dev/null | head -1 || true)
         [[ -f $f ]] || die "missing deb $deb"
         dpkg -x "$f" "$SYSROOT"
     done < "$SR_BASE/closure.txt"
@@ -106,14 +106,14 @@ if [[ ! -f $stamp ]]; then
     # Debian ships no .pyc; compiling the stdlib under emulation is slow, so do it
     # here with the host CPython of the same minor version (bytecode is portable).
     for v in "${MINORS[@]}"; do
-        hp=$(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"$v".*/bin/python"$v" 2>/dev/null | sort -V | tail -1)
+        hp=$(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"$v".*/bin/python"$v" 2>/dev/null | sort -V | tail -1 || true)
         [[ -x $hp ]] && "$hp" -m compileall -q -j1 -s "$SYSROOT" -p / "$SYSROOT/usr/lib/python$v" >/dev/null || true
     done
     touch "$stamp"
 fi
 
 # ------------------------------------------------ the wheel(s) and the tests
-PYENV_ROOT=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+PYENV_ROOT=${PYENV_ROOT:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")}
 OUT="$ROOT/wheelhouse/aarch64"
 WORK=$(mktemp -d /tmp/kvqueue-aarch64.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -128,11 +128,11 @@ tar -C "$ROOT" --exclude=./build --exclude=./dist --exclude=./wheelhouse --exclu
 status=0
 for v in "${MINORS[@]}"; do
     tag="cp${v/./}"
-    HOSTPY=$(ls -d "$PYENV_ROOT"/versions/"$v".*/bin/python"$v" 2>/dev/null | sort -V | tail -1)
+    HOSTPY=$(ls -d "$PYENV_ROOT"/versions/"$v".*/bin/python"$v" 2>/dev/null | sort -V | tail -1 || true)
     [[ -x $HOSTPY ]] || die "no pyenv CPython $v to cross-build with"
     TPY="$SYSROOT/usr/bin/python$v"
     [[ -x $TPY ]] || die "no $TPY in the sysroot"
-    SCD=$(ls "$SYSROOT"/usr/lib/python"$v"/_sysconfigdata__*aarch64-linux-gnu.py | head -1)
+    SCD=$(ls "$SYSROOT"/usr/lib/python"$v"/_sysconfigdata__*aarch64-linux-gnu.py | head -1 || true)
     [[ -f $SCD ]] || die "no aarch64 sysconfigdata for $v"
 
     # Host-side tools, cached: a venv with the build backend and auditwheel.
@@ -173,7 +173,7 @@ for v in "${MINORS[@]}"; do
         export CC=aarch64-linux-gnu-gcc LDSHARED="aarch64-linux-gnu-gcc -shared"
         "$BV/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/raw-$tag" .
     )
-    raw=$(ls "$WORK/raw-$tag"/kvqueue-*-"$tag"-"$tag"-linux_aarch64.whl 2>/dev/null | head -1)
+    raw=$(ls "$WORK/raw-$tag"/kvqueue-*-"$tag"-"$tag"-linux_aarch64.whl 2>/dev/null | head -1 || true)
     [[ -f $raw ]] || die "no linux_aarch64 wheel built for $tag: $(ls "$WORK/raw-$tag")"
 
     log "auditwheel repair ($tag)"
@@ -182,7 +182,7 @@ for v in "${MINORS[@]}"; do
         -w "$WORK/fixed-$tag" "$raw" >/dev/null
     # auditwheel's --plat only offers the host's arch; its automatic choice is
     # the most compatible tag the wheel's symbols allow. Require 2_17 (manylinux2014).
-    whl=$(ls "$WORK/fixed-$tag"/*manylinux*aarch64*.whl | head -1)
+    whl=$(ls "$WORK/fixed-$tag"/*manylinux*aarch64*.whl | head -1 || true)
     [[ -f $whl ]] || die "auditwheel produced no manylinux wheel for $tag"
     [[ $whl == *manylinux_2_17_aarch64* ]] || die "expected a manylinux_2_17_aarch64 tag, got $(basename "$whl")"
     rm -f "$OUT"/kvqueue-*-"$tag"-*.whl

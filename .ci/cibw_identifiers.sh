@@ -13,7 +13,7 @@ CIBW_SPEC=${CIBW_SPEC:-"cibuildwheel>=4,<5"}
 
 # cibuildwheel 4 needs Python >= 3.11: the newest pyenv CPython, else python3.
 PY=$(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.1[1-9].*/bin/python3.1[1-9] 2>/dev/null \
-     | sort -V | tail -1)
+     | sort -V | tail -1 || true)
 PY=${PY:-python3}
 V="$CACHE/venvs/cibuildwheel"
 if [[ ! -f "$V/.ready" ]] || ! cmp -s "$V/.ready" <(echo "$CIBW_SPEC"); then

@@ -28,7 +28,7 @@ unset KVQUEUE_PURE
 log() { printf '\n== wheels: %s (%s)\n' "$*" "$(date -u +%H:%M:%S)" >&2; }
 die() { printf 'wheels: FAIL: %s\n' "$*" >&2; exit 1; }
 interpreter() {  # the newest installed CPython 3.X under pyenv
-    ls -d "$PYENV_ROOT"/versions/"$1".*/bin/python"$1" 2>/dev/null | sort -V | tail -n 1
+    ls -d "$PYENV_ROOT"/versions/"$1".*/bin/python"$1" 2>/dev/null | sort -V | tail -n 1 || true
 }
 
 WORK=$(mktemp -d /tmp/kvqueue-wheels.XXXXXX)
