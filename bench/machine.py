@@ -32,7 +32,24 @@ def describe() -> dict[str, Any]:
         "kvqueue": kvqueue.__version__,
         "kvqueue_implementation": kvqueue.IMPLEMENTATION,
         "kvqueue_path": os.path.dirname(kvqueue.__file__),
+        "checkout": checkout(),
     }
+
+
+def checkout() -> str:
+    """The commit of the benchmark's own checkout (the kvqueue timed may be another build)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout
+    except OSError:
+        return "unknown"
+    return out.strip() or "unknown"
 
 
 def cpu_model() -> str:

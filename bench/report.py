@@ -156,7 +156,8 @@ def _target_line(label: str, estimate: Estimate | None, limit: float) -> str:
 def merged_table(all_results: list[dict[str, Any]]) -> str:
     """Several hosts side by side: a row per case and contender, a column per results file."""
     hosts = [
-        f"{r['machine']['machine']} {r['machine']['cpu']}, Python {r['machine']['python']}, "
+        f"{r['machine']['host']}: {r['machine']['machine']} {r['machine']['cpu']}, "
+        f"Python {r['machine']['python']}, {r['settings']['started']}, "
         f"vs `{r['settings']['reference']}`"
         for r in all_results
     ]
