@@ -126,7 +126,10 @@ class Chaos:
     def __init__(self, twin_name: str, seed: int) -> None:
         self.rng = random.Random(seed)
         self.mod = twin(twin_name)
-        self.other = twin("py" if twin_name == "c" else "c")
+        try:  # queues of the other twin share the blocks
+            self.other = twin("py" if twin_name == "c" else "c")
+        except ImportError:  # a pure build has no compiled twin to mix in
+            self.other = self.mod
         self.strict = twin_name == "c"
         self.blocks: list[Any] = []
         self.queues: list[Any] = []
