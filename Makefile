@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := pyproject.toml setup.py $(wildcard src/kvqueue/*)
 
-.PHONY: test bench lint clean
+.PHONY: test bench bench-engine lint clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -26,5 +26,9 @@ lint: $(VENV)/.ready
 bench: $(VENV)/.ready
 	$(PY) bench/run.py $(BENCH_ARGS)
 
+# vLLM's real block pool driven by a serving trace, once per queue.
+bench-engine: $(VENV)/.ready
+	$(PY) bench/engine.py $(BENCH_ARGS)
+
 clean:
-	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/*.c
+	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/*.c src/kvqueue/*.h
