@@ -285,10 +285,13 @@ class Chaos:
                 batch = STATE.get("batch")
                 if batch:
                     batch.clear() if self.rng.random() < 0.5 else batch.append(self.thing())
-            elif roll < 0.8:
-                del self.blocks[: self.rng.randrange(len(self.blocks) + 1)]
-            elif roll < 0.9 and len(self.queues) > 1:
-                self.queues.pop(self.rng.randrange(len(self.queues)))
+            # Drop references (maybe the last) without shrinking the lists: the
+            # program may be between choosing an index and using it.
+            elif roll < 0.8 and self.blocks:
+                for i in range(self.rng.randrange(len(self.blocks))):
+                    self.blocks[i] = self.blocks[-1]
+            elif roll < 0.9:
+                self.queues[self.rng.randrange(len(self.queues))] = self.queues[0]
             else:
                 gc.collect()
         except Exception:
