@@ -9,6 +9,7 @@ import machine
 from report import summarize
 
 MARKERS = {"vllm-0.33": "s", "pure": "o", "cython": "D", "deque": "^"}
+TICKS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3)
 
 
 def available() -> bool:
@@ -46,12 +47,14 @@ def draw(results: dict[str, Any], path: Path) -> None:
         )
     ax.axvline(1.0, color="grey", lw=1, ls="--")
     ax.set_xscale("log")
+    ticks = [t for t in TICKS if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_yticks(range(len(rows)), [f"{row.name} @{row.pool:,}" for row in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ratio to {reference} (log scale; lower is faster), 95% interval")
     ax.grid(axis="x", which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize="small")
-    ax.set_title(machine.short(results["machine"]), fontsize="small", wrap=True)
+    ax.set_title(machine.short(results["machine"]).replace("; ", "\n"), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
