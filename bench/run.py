@@ -134,10 +134,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             }
             for case in order
         ]
+    # Described first: the checkout may move on during a long run.
+    described = machine.describe()
     started = time.time()
     records = run_jobs(jobs)
     return {
-        "machine": machine.describe(),
+        "machine": described,
         "settings": {
             "reference": reference,
             "contenders": names,
