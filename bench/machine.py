@@ -56,11 +56,20 @@ def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
-                # x86 says "model name"; aarch64 kernels have no name, only part numbers.
-                if line.startswith(("model name", "Model", "cpu model")):
+                if line.startswith(("model name", "cpu model")):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    # aarch64 kernels give only part numbers; lscpu knows their names (e.g. Neoverse-V2).
+    try:
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except OSError:
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
