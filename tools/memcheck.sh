@@ -18,7 +18,8 @@ full=0
 [[ "${1:-}" == "--full" ]] && full=1
 VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
-out="$PWD/build/memcheck"  # absolute: some steps run from tests/
+out="$PWD/build/memcheck"  # absolute paths: some steps run from tests/
+supp="$PWD/tools/valgrind.supp"
 logs="$out/logs"
 
 install() {  # Debian packages (CI runs as root)
@@ -34,7 +35,14 @@ if [[ ! -e "$libasan" ]]; then
 fi
 
 make -s "$VENV/.ready" PYTHON="${PYTHON:-python3}" VENV="$VENV"
+# setup.py runs here outside pip's isolated build: give it the build requirements.
+"$PY" -m pip install -q "setuptools>=77" "Cython>=3.1"
 rm -rf "$out" && mkdir -p "$logs"
+build() {  # $1: the directory to build the extension into; CFLAGS etc. from the caller
+    "$PY" setup.py -q build_ext --build-lib "$out/$1" --build-temp "$out/$1-tmp" \
+        >"$out/$1-build.log" 2>&1 || { cat "$out/$1-build.log"; exit 1; }
+    cp src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/py.typed "$out/$1/kvqueue/"
+}
 
 section() { printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
@@ -49,9 +57,7 @@ fuzz_runs() {  # $1: operations per program
 
 section "AddressSanitizer build"
 CFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" LDFLAGS="-fsanitize=address" \
-    "$PY" setup.py -q build_ext --build-lib "$out/asan" --build-temp "$out/asan-tmp" 2>&1 |
-    grep -v "cannot be found" || true
-cp src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/py.typed "$out/asan/kvqueue/"
+    build asan
 asan() {  # $1: extra ASAN_OPTIONS; the rest: a command, run against the sanitized build
     PYTHONPATH="$out/asan" PYTHONMALLOC=malloc LD_PRELOAD="$libasan" \
         ASAN_OPTIONS="log_path=$logs/asan.log:$1" "${@:2}"
@@ -69,12 +75,10 @@ while read -r program args; do
 done < <(fuzz_runs $((full ? 20000 : 3000)))
 
 section "valgrind memcheck"
-"$PY" setup.py -q build_ext --build-lib "$out/plain" --build-temp "$out/plain-tmp" 2>&1 |
-    grep -v "cannot be found" || true
-cp src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/py.typed "$out/plain/kvqueue/"
+build plain
 vg() {  # subprocesses (the hostile cases) are followed too
     PYTHONPATH="$out/plain" PYTHONMALLOC=malloc valgrind --tool=memcheck --quiet \
-        --suppressions="$PWD/tools/valgrind.supp" \
+        --suppressions="$supp" \
         --trace-children=yes --leak-check=full --show-leak-kinds=definite \
         --num-callers=40 --log-file="$logs/valgrind.%p.log" "$@"
 }
