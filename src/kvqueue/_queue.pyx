@@ -16,7 +16,7 @@ store is used only where the old value is None or held elsewhere.
 """
 
 cimport cython
-from cpython.object cimport PyObject, PyTypeObject
+from cpython.object cimport Py_TYPE, PyObject, PyTypeObject
 from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
@@ -104,6 +104,18 @@ cdef extern from *:
         return err;
     }
 
+    /* An exact int as Py_ssize_t, clamped like kvq_clamped_ssize but without the
+       two generic conversions: a compact value is read in place. */
+    static inline Py_ssize_t kvq_exact_ssize(PyObject *o)
+    {
+        Py_ssize_t v = PyLong_AsSsize_t(o);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return PyNumber_AsSsize_t(o, NULL);
+        }
+        return v;
+    }
+
     static inline int kvq_is_block(PyObject *o, PyTypeObject *tp)
     {
         return Py_TYPE(o) == tp || PyType_IsSubtype(Py_TYPE(o), tp);
@@ -115,6 +127,7 @@ cdef extern from *:
     object kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
     bint kvq_is_block(PyObject *o, PyTypeObject *tp)
     Py_ssize_t kvq_clamped_ssize(object o) except? -1
+    Py_ssize_t kvq_exact_ssize(object o)
     Py_ssize_t KVQ_COUNT_OFFSET
     int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset) except -1
     void PyObject_GC_Track(object o)
@@ -272,9 +285,15 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
     def popleft_n(self, n, /):
         """Pop the first ``n`` free blocks, in order."""
         self._check()
-        # __index__ runs once, before any state is read: it may be Python code.
-        index = PyNumber_Index(n)
-        cdef Py_ssize_t count = kvq_clamped_ssize(index)
+        cdef Py_ssize_t count
+        if type(n) is int:
+            # Its own index: no Python code can run, no generic conversion needed.
+            index = n
+            count = kvq_exact_ssize(n)
+        else:
+            # __index__ runs once, before any state is read: it may be Python code.
+            index = PyNumber_Index(n)
+            count = kvq_clamped_ssize(index)
         cdef Py_ssize_t num = self._num
         cdef Py_ssize_t i
         if count <= 0:
@@ -366,6 +385,23 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         last_block = <object>self._follow(<PyObject *>tail, self._prev, "append_n()")
         if last_block is None:
             raise AssertionError(_errors.TAIL_LOST)
+        cdef PyObject *b
+        if n == 1:
+            # One block, the most frequent batch: linked as append() does. Only an
+            # exact-type, unlinked block takes this path; _link raises for the rest.
+            b = PySequence_Fast_GET_ITEM(seq, 0)
+            if (
+                Py_TYPE(<object>b) == self._tp
+                and kvq_get(b, self._prev) is NONE
+                and kvq_get(b, self._next) is NONE
+            ):
+                num_obj = self._count_obj(self._num + 1)
+                _old_next = kvq_swap(<PyObject *>last_block, self._next, b)
+                kvq_set(b, self._prev, <PyObject *>last_block)
+                kvq_set(b, self._next, <PyObject *>tail)
+                kvq_set(<PyObject *>tail, self._prev, b)
+                self._set_count(self._num + 1, num_obj)
+                return
         self._link("append_n", last_block, tail, seq, n)
 
     def prepend_n(self, blocks, /):
