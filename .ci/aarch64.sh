@@ -54,9 +54,10 @@ touch "$APTDIR/status"
 APT=(-o APT::Architecture=arm64 -o APT::Architectures=arm64
      -o Dir::State::Lists="$APTDIR/lists" -o Dir::Cache="$APTDIR/cache"
      -o Dir::State::status="$APTDIR/status" -o Debug::NoLocking=1
-     -o APT::Get::AllowUnauthenticated=false -q)
+     -o APT::Sandbox::User=root -o APT::Get::AllowUnauthenticated=false -q)
 
-if [[ ! -f "$APTDIR/updated" ]]; then
+# Lists older than a day are refreshed: the archive drops superseded debs.
+if [[ ! -f "$APTDIR/updated" || -n $(find "$APTDIR/updated" -mtime +0) ]]; then
     log "arm64 package lists ($CODENAME)"
     apt-get "${APT[@]}" update >/dev/null
     touch "$APTDIR/updated"
