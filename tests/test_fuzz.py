@@ -20,7 +20,13 @@ LONG = os.environ.get("KVQUEUE_FUZZ_LONG", "") not in ("", "0")
 FIRST_SEED = int(os.environ.get("KVQUEUE_FUZZ_SEED", "0"))
 SEEDS = range(FIRST_SEED, FIRST_SEED + (25 if LONG else 3))
 # Operations per program run; the timeout is far above any normal run.
-OPS = {"fuzz_diff": 3000, "fuzz_reentrant": 2000, "fuzz_chaos": 2000, "fuzz_threads": 5000}
+OPS = {
+    "fuzz_diff": 3000,
+    "fuzz_reentrant": 2000,
+    "fuzz_chaos": 2000,
+    "fuzz_threads": 5000,
+    "fuzz_race": 5000,
+}
 TIMEOUT = 1800 if LONG else 120
 
 CASES = [
@@ -32,6 +38,7 @@ CASES = [
     pytest.param("fuzz_chaos", "py", id="chaos-py"),
     pytest.param("fuzz_threads", "c", id="threads-c", marks=pytest.mark.c_extension),
     pytest.param("fuzz_threads", "py", id="threads-py"),
+    pytest.param("fuzz_race", "c", id="race-c", marks=pytest.mark.c_extension),
 ]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a free-threaded CPython 3.13 from Debian's own source package (Debian
 # ships no free-threaded binary), build the compiled twin for it, and run the
-# thread-misuse fuzz program three ways:
+# thread-misuse fuzz programs two ways:
 #   as shipped (the import re-enables the GIL): must not crash;
 #   with the GIL forced off (PYTHON_GIL=0): shows why the module must not yet
 #   declare itself free-threading compatible.
@@ -45,14 +45,16 @@ export PYTHONPATH="$root/kvqueue/src"
 
 cd tests
 "$py" -c 'import sys; print(sys.version); assert not sys._is_gil_enabled()'
-run() {  # $1: label; the rest: environment assignments for the run
+run() {  # $1: label; the rest: environment assignments for the runs
     for seed in 0 1 2; do
-        if env "${@:2}" "$py" -W ignore::RuntimeWarning fuzz_threads.py c "$seed" "$ops" \
-            >"$root/out" 2>&1; then
-            echo "$1, seed $seed: survived $(tail -n 1 "$root/out")"
-        else
-            echo "$1, seed $seed: FAILED (exit $?): $(tail -n 1 "$root/out")"
-        fi
+        for program in fuzz_threads.py fuzz_race.py; do
+            if env "${@:2}" "$py" -W ignore::RuntimeWarning "$program" c "$seed" "$ops" \
+                >"$root/out" 2>&1; then
+                echo "$1, $program seed $seed: survived $(tail -n 1 "$root/out")"
+            else
+                echo "$1, $program seed $seed: FAILED (exit $?): $(tail -n 1 "$root/out")"
+            fi
+        done
     done
 }
 run "as shipped (GIL re-enabled on import)"
