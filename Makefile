@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := pyproject.toml setup.py $(wildcard src/kvqueue/*)
 
-.PHONY: test bench bench-engine lint clean
+.PHONY: test bench bench-engine lint memcheck clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ bench: $(VENV)/.ready
 # vLLM's real block pool driven by a serving trace, once per queue.
 bench-engine: $(VENV)/.ready
 	$(PY) bench/engine.py $(BENCH_ARGS)
+
+# The compiled twin under AddressSanitizer and valgrind (MEMCHECK_ARGS=--full: whole suite).
+memcheck: $(VENV)/.ready
+	bash tools/memcheck.sh $(MEMCHECK_ARGS)
 
 clean:
 	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/*.c src/kvqueue/*.h

@@ -52,6 +52,17 @@ def test_missing_extension_falls_back() -> None:
     assert run(NO_EXTENSION) == "python kvqueue._queue_py"
 
 
+# What importing the compiled twin does on a free-threaded CPython under -W error.
+GIL_WARNING_AS_ERROR = NO_EXTENSION.replace(
+    'raise ImportError("no compiled twin here")',
+    'raise RuntimeWarning("The global interpreter lock (GIL) has been enabled")',
+)
+
+
+def test_gil_warning_as_error_falls_back() -> None:
+    assert run(GIL_WARNING_AS_ERROR) == "python kvqueue._queue_py"
+
+
 # What PyPy or GraalPy would report; the shim must not even try the extension.
 OTHER_INTERPRETER = (
     """

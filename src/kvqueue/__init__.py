@@ -28,7 +28,9 @@ else:
         from ._queue import FreeKVCacheBlockQueue
 
         IMPLEMENTATION = "cython"
-    except ImportError:
+    except (ImportError, RuntimeWarning):
+        # RuntimeWarning: a free-threaded CPython run with -W error refuses to
+        # re-enable the GIL for the compiled twin; the pure one needs no GIL.
         from ._queue_py import FreeKVCacheBlockQueue
 
         IMPLEMENTATION = "python"

@@ -125,6 +125,13 @@ def check_block_type(block_type: object) -> type:
                 f"{block_type.__qualname__}.{name} must be a __slots__ member "
                 f"(e.g. a @dataclass(slots=True) field), not {type(descr).__name__}"
             )
+        # A metaclass can lend another class's slot; its offset would point
+        # past the end of this class's instances.
+        if not is_subtype(block_type, descr.__objclass__):
+            raise TypeError(
+                f"{block_type.__qualname__}.{name} is a slot of "
+                f"{descr.__objclass__.__qualname__}, not of a base of this class"
+            )
     return block_type
 
 
