@@ -23,7 +23,12 @@ lint: $(VENV)/.ready
 	$(PY) -m mypy
 	PATH="$(VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx
 
-bench: $(VENV)/.ready
+# The bench extra (matplotlib) draws the chart beside the table.
+$(VENV)/.bench-ready: $(VENV)/.ready
+	$(PY) -m pip install -q ".[bench]"
+	touch $@
+
+bench: $(VENV)/.bench-ready
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 # vLLM's real block pool driven by a serving trace, once per queue.

@@ -49,6 +49,7 @@ import engine_pool
 import engine_trace
 import machine
 import vllm_source
+from machine import pin
 from stats import bootstrap_median
 
 HERE = Path(__file__).resolve().parent
@@ -62,18 +63,6 @@ CLOCK = time.thread_time
 
 
 # -- one fresh process -------------------------------------------------------------------
-
-
-def pin(cpu: int | None) -> int | None:
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    chosen = allowed[-1] if cpu is None else cpu
-    try:
-        os.sched_setaffinity(0, {chosen})
-    except OSError:
-        return None
-    return chosen
 
 
 def queue_classes(engine: engine_pool.Engine) -> dict[str, type]:

@@ -99,3 +99,16 @@ def _compiler() -> str:
     except OSError:
         return f"{cc} (not found)"
     return out.splitlines()[0].strip() if out else cc
+
+
+def pin(cpu: int | None) -> int | None:
+    """Pin this process to one CPU (the last allowed one unless told), if the OS allows."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen = allowed[-1] if cpu is None else cpu
+    try:
+        os.sched_setaffinity(0, {chosen})
+    except OSError:
+        return None
+    return chosen

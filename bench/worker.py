@@ -19,19 +19,7 @@ from typing import Any
 import cases
 import contenders
 import validate
-
-
-def pin(cpu: int | None) -> int | None:
-    """Pin this process to one CPU (the last allowed one unless told), if the OS allows."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    chosen = allowed[-1] if cpu is None else cpu
-    try:
-        os.sched_setaffinity(0, {chosen})
-    except OSError:
-        return None
-    return chosen
+from machine import pin
 
 
 def timed(bench: cases.Bench, loops: int) -> int:

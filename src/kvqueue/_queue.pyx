@@ -367,12 +367,25 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
             raise _errors.already_linked(
                 "append", block, (), 0, (self.fake_free_list_head, tail)
             )
+        self._insert_one(b, last_block, tail)
+
+    cdef inline int _insert_one(self, PyObject *b, object left, object right) except -1:
+        """Link the checked, unlinked block ``b`` between ``left`` and ``right``."""
         num_obj = self._count_obj(self._num + 1)
-        _old_next = kvq_swap(<PyObject *>last_block, self._next, b)
-        kvq_set(b, self._prev, <PyObject *>last_block)
-        kvq_set(b, self._next, <PyObject *>tail)
-        kvq_set(<PyObject *>tail, self._prev, b)
+        kvq_set(b, self._prev, <PyObject *>left)
+        kvq_set(b, self._next, <PyObject *>right)
+        _old_next = kvq_swap(<PyObject *>left, self._next, b)
+        _old_prev = kvq_swap(<PyObject *>right, self._prev, b)
         self._set_count(self._num + 1, num_obj)
+        return 0
+
+    cdef inline bint _is_fresh(self, PyObject *b) noexcept:
+        """An exact-type block with no links: the one-block batches' fast path."""
+        return (
+            Py_TYPE(<object>b) == self._tp
+            and kvq_get(b, self._prev) is NONE
+            and kvq_get(b, self._next) is NONE
+        )
 
     def append_n(self, blocks, /):
         """Put ``blocks`` at the end of the queue, in order."""
@@ -385,24 +398,12 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         last_block = <object>self._follow(<PyObject *>tail, self._prev, "append_n()")
         if last_block is None:
             raise AssertionError(_errors.TAIL_LOST)
-        cdef PyObject *b
-        if n == 1:
-            # One block, the most frequent batch: linked as append() does. Only an
-            # exact-type, unlinked block takes this path; _link raises for the rest.
-            b = PySequence_Fast_GET_ITEM(seq, 0)
-            if (
-                Py_TYPE(<object>b) == self._tp
-                and kvq_get(b, self._prev) is NONE
-                and kvq_get(b, self._next) is NONE
-            ):
-                num_obj = self._count_obj(self._num + 1)
-                _old_next = kvq_swap(<PyObject *>last_block, self._next, b)
-                kvq_set(b, self._prev, <PyObject *>last_block)
-                kvq_set(b, self._next, <PyObject *>tail)
-                kvq_set(<PyObject *>tail, self._prev, b)
-                self._set_count(self._num + 1, num_obj)
-                return
-        self._link("append_n", last_block, tail, seq, n)
+        # One block, the most frequent batch, is linked as append() links it;
+        # anything but a fresh block goes through _link, which reports it.
+        if n == 1 and self._is_fresh(PySequence_Fast_GET_ITEM(seq, 0)):
+            self._insert_one(PySequence_Fast_GET_ITEM(seq, 0), last_block, tail)
+        else:
+            self._link("append_n", last_block, tail, seq, n)
 
     def prepend_n(self, blocks, /):
         """Put ``blocks`` at the front of the queue (evicted first), in order."""
@@ -415,7 +416,10 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         first_block = <object>self._follow(<PyObject *>head, self._next, "prepend_n()")
         if first_block is None:
             raise AssertionError(_errors.HEAD_LOST)
-        self._link("prepend_n", head, first_block, seq, n)
+        if n == 1 and self._is_fresh(PySequence_Fast_GET_ITEM(seq, 0)):
+            self._insert_one(PySequence_Fast_GET_ITEM(seq, 0), head, first_block)
+        else:
+            self._link("prepend_n", head, first_block, seq, n)
 
     cdef int _link(self, str method, object left, object right, object seq, Py_ssize_t n) except -1:
         """Link the ``n`` > 0 blocks of list or tuple ``seq`` between two blocks.
