@@ -128,12 +128,11 @@ class FreeKVCacheBlockQueue(Generic[B]):
             return [curr]
         # One pass, as vLLM's; a short or broken list is put back as it was.
         ret: list[B] = []
-        append = ret.append
         for _ in range(n):
             if curr is None or curr is tail:
                 _relink(head, ret, curr)
                 raise _errors.out_of_sync(num)
-            append(curr)
+            ret.append(curr)
             next_block = curr.next_free_block
             curr.prev_free_block = curr.next_free_block = None
             curr = next_block
