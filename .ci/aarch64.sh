@@ -18,6 +18,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/.ci/suite.sh"
 CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}
 export QEMU_CPU=${QEMU_CPU:-cortex-a72}   # the default CPU emulates pointer auth slowly
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -209,15 +210,8 @@ PY
     file "$SITE"/kvqueue/_queue.*.so 2>/dev/null | grep -q aarch64 \
         || "$BV/bin/python" -c "import sys;d=open(sys.argv[1],'rb').read(20);sys.exit(d[18]!=0xb7)" "$SITE"/kvqueue/_queue.*.so \
         || die "the installed extension is not aarch64"
-    # The suite runs from a copy outside the source tree (tests/ plus the pytest
-    # settings in pyproject.toml, nothing else): src/ is not importable.
     SUITE="$WORK/suite-$tag"
-    mkdir -p "$SUITE"
-    cp -r "$ROOT/tests" "$SUITE/tests"
-    cp "$ROOT/pyproject.toml" "$SUITE/"
-    # Some tests load helpers from ../bench: it holds no kvqueue code.
-    [[ -d "$ROOT/bench" ]] && cp -r "$ROOT/bench" "$SUITE/bench" && rm -rf "$SUITE/bench/results"
-    rm -rf "$SUITE/tests/__pycache__" "$SUITE/tests/.hypothesis"
+    copy_suite "$SUITE"
     runpy=(qemu-aarch64-static -L "$SYSROOT" "$TPY")
     # Tests that start `sys.executable` (a subprocess) cannot exec an aarch64
     # binary without binfmt registration: sys.executable is pointed at a host

@@ -19,6 +19,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/.ci/suite.sh"
 CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}
 PYENV_ROOT=${PYENV_ROOT:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")}
 read -r -a MINORS <<<"${KVQUEUE_WHEEL_PYTHONS:-3.10 3.11 3.12 3.13}"
@@ -69,15 +70,8 @@ for py in $(for v in "${MINORS[@]}"; do interpreter "$v"; done) "$PURE_PY"; do
 done
 export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELS"
 
-# The suite, away from the source tree: tests/ and the pytest settings only.
 SUITE="$WORK/suite"
-mkdir -p "$SUITE"
-cp -r "$ROOT/tests" "$SUITE/tests"
-cp "$ROOT/pyproject.toml" "$SUITE/"
-# Some tests load helpers from ../bench (vLLM's code read from its wheel): bench
-# holds no kvqueue code, so src/ stays out of reach.
-[[ -d "$ROOT/bench" ]] && cp -r "$ROOT/bench" "$SUITE/bench" && rm -rf "$SUITE/bench/results"
-rm -rf "$SUITE/tests/__pycache__" "$SUITE/tests/.hypothesis"
+copy_suite "$SUITE"
 
 # run_suite VENV EXPECTED_IMPLEMENTATION [pytest args...]
 run_suite() {
