@@ -9,17 +9,7 @@ import pytest
 from blocks import SubBlock
 
 from kvqueue import KVCacheBlock
-
-FIELDS = (
-    "block_id",
-    "ref_cnt",
-    "pool",
-    "_block_hash",
-    "_block_hash_num_tokens",
-    "prev_free_block",
-    "next_free_block",
-    "is_null",
-)
+from kvqueue.vllm import KNOWN_BLOCK_FIELDS as FIELDS
 
 
 def test_defaults() -> None:

@@ -25,6 +25,7 @@ from cpython.type cimport PyType_Check, PyType_IsSubtype
 
 from kvqueue import _errors
 from kvqueue._block import KVCacheBlock, check_block_type
+from kvqueue._queue_py import _as_sequence as _materialize
 
 cdef extern from *:
     """
@@ -137,15 +138,12 @@ cdef extern from *:
 cdef PyObject *NONE = <PyObject *>None
 
 
-cdef object _as_sequence(object blocks, str method):
-    """``blocks`` as a list or tuple; the twin of ``_queue_py._as_sequence``."""
+cdef inline object _as_sequence(object blocks, str method):
+    """``blocks`` as a list or tuple: the common case here, any other iterable
+    materialized by the pure twin's own helper (same errors, one copy)."""
     if type(blocks) is list or type(blocks) is tuple:
         return blocks
-    try:
-        iterator = iter(blocks)
-    except TypeError:
-        raise TypeError(_errors.not_iterable(method)) from None
-    return list(iterator)
+    return _materialize(blocks, method)
 
 
 cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
