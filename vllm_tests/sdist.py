@@ -1,0 +1,125 @@
+"""vLLM's own test files for one release, from its sdist on the package index; print their root.
+
+``python vllm_tests/sdist.py 0.33.0`` prints a directory holding the sdist's ``tests/`` and
+``pyproject.toml`` (vLLM's pytest configuration) and nothing else of it: with ``vllm/`` left
+out, ``import vllm`` in the tests finds the installed wheel, not the sdist's source tree.
+
+The file is found through pip's configured index (``index-url`` from pip's own configuration,
+environment included; pip's default otherwise) with the simple repository API (PEP 691 JSON),
+checked against the sha256 the index gives, and kept under ``~/.cache/kvqueue/`` (or
+``$KVQUEUE_CACHE``). ``pip download --no-binary`` is not used: it builds vLLM's metadata, which
+needs its build requirements and may name the result ``0.33.0+empty``.
+
+Raises ``LookupError`` when the index lists no sdist of that version, ``ValueError`` on a hash
+mismatch, ``urllib.error.URLError`` when the index cannot be reached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+PROJECT = "vllm"
+KEPT = ("tests/", "pyproject.toml")
+_COMPLETE = ".complete"
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("KVQUEUE_CACHE")
+    return Path(explicit) if explicit else Path.home() / ".cache" / "kvqueue"
+
+
+def index_url() -> str:
+    """pip's ``index-url`` as pip itself would resolve it (env > command section > global)."""
+    from pip._internal.configuration import Configuration
+    from pip._internal.models.index import PyPI
+
+    config = Configuration(isolated=False)
+    config.load()
+    values = dict(config.items())
+    for key in (":env:.index-url", "download.index-url", "global.index-url"):
+        if values.get(key):
+            return str(values[key]).split()[0]
+    return str(PyPI.simple_url)
+
+
+def find_sdist(version: str) -> tuple[str, str, str]:
+    """(filename, url, sha256) of ``vllm-VERSION.tar.gz`` on pip's index."""
+    page = index_url().rstrip("/") + f"/{PROJECT}/"
+    request = urllib.request.Request(
+        page, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        listing = json.load(response)
+    wanted = f"{PROJECT}-{version}.tar.gz"
+    for entry in listing.get("files", []):
+        if entry.get("filename") == wanted:
+            url = urllib.parse.urljoin(page, entry["url"])
+            return wanted, url, entry.get("hashes", {}).get("sha256", "")
+    raise LookupError(f"{page} lists no {wanted}")
+
+
+def download(version: str) -> Path:
+    """The sdist file, downloaded once into ``<cache>/sdists/``."""
+    target_dir = cache_dir() / "sdists"
+    existing = target_dir / f"{PROJECT}-{version}.tar.gz"
+    if existing.is_file():
+        return existing
+    name, url, sha256 = find_sdist(version)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    print(f"sdist.py: downloading {name}", file=sys.stderr)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target_dir, delete=False) as tmp:
+        try:
+            with urllib.request.urlopen(url, timeout=600) as response:
+                while chunk := response.read(1 << 20):
+                    digest.update(chunk)
+                    tmp.write(chunk)
+            if sha256 and digest.hexdigest() != sha256:
+                raise ValueError(f"{name}: sha256 {digest.hexdigest()}, index says {sha256}")
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, target_dir / name)
+    return target_dir / name
+
+
+def tests_root(version: str) -> Path:
+    """A directory with the sdist's tests/ and pyproject.toml, extracted once."""
+    root = cache_dir() / f"vllm-{version}-tests"
+    if (root / _COMPLETE).is_file():
+        return root
+    sdist = download(version)
+    prefix = f"{PROJECT}-{version}/"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    try:
+        with tarfile.open(sdist) as archive:
+            members = []
+            for member in archive.getmembers():
+                if not member.name.startswith(prefix):
+                    continue
+                rel = member.name[len(prefix) :]
+                if rel.startswith(KEPT[0]) or rel == KEPT[1]:
+                    member.name = rel
+                    members.append(member)
+            archive.extractall(staging, members, filter="data")
+        (staging / _COMPLETE).write_text(sdist.name + "\n", encoding="utf-8")
+        shutil.rmtree(root, ignore_errors=True)
+        staging.rename(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return root
+
+
+if __name__ == "__main__":
+    print(tests_root(sys.argv[1] if len(sys.argv) > 1 else "0.33.0"))

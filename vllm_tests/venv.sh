@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# vllm_tests/venv.sh: print the path of a venv holding vLLM 0.33.0 on the CPU, with this
+# checkout's kvqueue installed into it.
+#
+# The venv is made once and kept (~/.cache/kvqueue/vllm-0.33.0-venv, marker .ready): CPU torch
+# 2.13.0 instead of the CUDA torch 2.14.0 that vLLM pins, vLLM itself with --no-deps, then
+# vLLM's other requirements less the torch family and the CUDA-only packages
+# (vllm_tests/requirements.py), then pytest. kvqueue is reinstalled from this checkout only
+# when its sources changed since the last install (a hash kept in the venv).
+# Progress goes to stderr; stdout is the path alone.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+VLLM_VERSION=0.33.0
+TORCH_VERSION=2.13.0
+cache=${KVQUEUE_CACHE:-$HOME/.cache/kvqueue}
+venv=${KVQUEUE_VLLM_VENV:-$cache/vllm-$VLLM_VERSION-venv}
+python=${PYTHON311:-python3.11}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+log() { printf 'vllm_tests/venv.sh: %s\n' "$*" >&2; }
+
+if [[ ! -f $venv/.ready ]]; then
+    log "building $venv (once)"
+    start=$SECONDS
+    rm -rf "$venv"
+    "$python" -m venv "$venv"
+    pip=("$venv/bin/python" -m pip install -q)
+    "${pip[@]}" --upgrade pip
+    # A vLLM wheel put in $cache/wheels is used instead of a download.
+    "${pip[@]}" --find-links "$cache/wheels" "torch==$TORCH_VERSION" packaging
+    "${pip[@]}" --no-deps --find-links "$cache/wheels" "vllm==$VLLM_VERSION"
+    "$venv/bin/python" "$here/requirements.py" > "$venv/vllm-requirements.txt"
+    "${pip[@]}" -r "$venv/vllm-requirements.txt" "torch==$TORCH_VERSION" \
+        pytest pytest-asyncio pytest-xdist setuptools "Cython>=3.1" build
+    log "built in $((SECONDS - start)) s, $(du -sh "$venv" | cut -f1)"
+    touch "$venv/.ready"
+fi
+
+# Cheap when nothing changed: the hash of kvqueue's build inputs decides.
+stamp=$(cd "$root" && cat pyproject.toml setup.py src/kvqueue/* 2>/dev/null | sha256sum | cut -d' ' -f1)
+if [[ $(cat "$venv/.kvqueue-src" 2>/dev/null) != "$stamp" ]]; then
+    log "installing kvqueue from $root"
+    "$venv/bin/python" -m pip install -q --force-reinstall --no-deps --no-build-isolation "$root"
+    echo "$stamp" > "$venv/.kvqueue-src"
+fi
+echo "$venv"
