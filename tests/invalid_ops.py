@@ -3,12 +3,14 @@ corrupts it as a careless caller would, and names one call that must fail.
 
 ``outcome`` runs a case and reports the exception and whether the queue and
 every block were left exactly as they were. It uses no ``assert``, so the same
-cases can be run under ``python -O`` (see test_optimize.py).
+cases can be run under ``python -O`` (see test_optimize.py). Each case also
+says what it does under ``on_misuse="repair"`` (run by test_policy.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -20,11 +22,23 @@ from kvqueue import KVCacheBlock
 Setup = Callable[[ModuleType], tuple[Any, list[Any], Callable[[], object]]]
 
 
+class Repair(NamedTuple):
+    """What a case does under ``on_misuse="repair"``: it returns normally."""
+
+    call: str  # the call the repair log names
+    kinds: dict[str, int]  # how much each count of ``queue.repairs`` grows
+    # The free list afterwards of the queue the call acted on (the new one for
+    # a constructor), as positions in the case's block list.
+    free: tuple[int, ...]
+
+
 class Expected(NamedTuple):
     exc: type[BaseException]
     message: str
     # False where the message ends in a truncated repr: then it is a prefix.
     exact: bool = True
+    # None: no safe repair, so "repair" raises exactly as "raise" does.
+    repair: Repair | None = None
 
 
 def _queue(mod: ModuleType, n: int = 3) -> tuple[Any, list[Any]]:
@@ -182,6 +196,14 @@ def prepend_n_linked_first(mod: ModuleType) -> Any:
     return queue, blocks, lambda: queue.prepend_n([blocks[2], popped[0]])
 
 
+def remove_block_of_another_pool(mod: ModuleType) -> Any:
+    mine = [KVCacheBlock(i, pool="pool A") for i in range(3)]
+    theirs = [KVCacheBlock(i, pool="pool B") for i in range(3)]
+    queue = mod.FreeKVCacheBlockQueue(mine)
+    mod.FreeKVCacheBlockQueue(theirs)
+    return queue, mine + theirs, lambda: queue.remove(theirs[1])
+
+
 def iter_blocks_after_int(mod: ModuleType) -> Any:
     queue, blocks = _queue(mod)
     return queue, blocks, lambda: queue.iter_blocks_after(3)
@@ -311,27 +333,64 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "remove_detached": (
         remove_detached,
-        Expected(RuntimeError, "remove() called on an invalid block: " + _repr(0)),
+        Expected(
+            RuntimeError,
+            "remove() called on an invalid block: " + _repr(0),
+            repair=Repair("remove", {"not_linked": 1}, (2, 3)),
+        ),
     ),
     "remove_head": (
         remove_head,
-        Expected(RuntimeError, "remove() called on an invalid block: " + _repr(-1, None, 0)),
+        Expected(
+            RuntimeError,
+            "remove() called on an invalid block: " + _repr(-1, None, 0),
+            repair=Repair("remove", {"not_linked": 1}, (0,)),
+        ),
     ),
     "remove_tail": (
         remove_tail,
-        Expected(RuntimeError, "remove() called on an invalid block: " + _repr(-1, 0, None)),
+        Expected(
+            RuntimeError,
+            "remove() called on an invalid block: " + _repr(-1, 0, None),
+            repair=Repair("remove", {"not_linked": 1}, (0,)),
+        ),
     ),
     "remove_none": (
         remove_none,
         Expected(TypeError, "remove(): expected a KVCacheBlock, got NoneType None"),
     ),
-    "append_linked": (append_linked, Expected(ValueError, "append() " + LINKED + _repr(1, 0, 2))),
+    "append_linked": (
+        append_linked,
+        Expected(
+            ValueError,
+            "append() " + LINKED + _repr(1, 0, 2),
+            repair=Repair("append", {"linked": 1}, (0, 1, 2)),
+        ),
+    ),
     "append_block_of_another_queue": (
         append_block_of_another_queue,
-        Expected(ValueError, "append() " + LINKED + _repr(0, -1, 1)),
+        Expected(
+            ValueError,
+            "append() " + LINKED + _repr(0, -1, 1),
+            repair=Repair("append", {"linked": 1}, (0, 1, 2)),
+        ),
     ),
-    "append_head": (append_head, Expected(ValueError, "append() " + SENTINEL + _repr(-1, None, 0))),
-    "append_tail": (append_tail, Expected(ValueError, "append() " + SENTINEL + _repr(-1, 2, None))),
+    "append_head": (
+        append_head,
+        Expected(
+            ValueError,
+            "append() " + SENTINEL + _repr(-1, None, 0),
+            repair=Repair("append", {"sentinel": 1}, (0, 1, 2)),
+        ),
+    ),
+    "append_tail": (
+        append_tail,
+        Expected(
+            ValueError,
+            "append() " + SENTINEL + _repr(-1, 2, None),
+            repair=Repair("append", {"sentinel": 1}, (0, 1, 2)),
+        ),
+    ),
     "append_int": (append_int, Expected(TypeError, "append(): expected a KVCacheBlock, got int 5")),
     "append_other_block_class": (
         append_other_block_class,
@@ -343,11 +402,19 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "append_n_duplicate": (
         append_n_duplicate,
-        Expected(ValueError, "append_n() " + TWICE + _repr(0)),
+        Expected(
+            ValueError,
+            "append_n() " + TWICE + _repr(0),
+            repair=Repair("append_n", {"duplicate": 1}, (2, 3, 0, 1)),
+        ),
     ),
     "append_n_duplicate_first": (
         append_n_duplicate_first,
-        Expected(ValueError, "append_n() " + TWICE + _repr(0)),
+        Expected(
+            ValueError,
+            "append_n() " + TWICE + _repr(0),
+            repair=Repair("append_n", {"duplicate": 1}, (2, 3, 0)),
+        ),
     ),
     "append_n_none_in_batch": (
         append_n_none_in_batch,
@@ -355,11 +422,19 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "append_n_linked_in_batch": (
         append_n_linked_in_batch,
-        Expected(ValueError, "append_n() " + LINKED + _repr(3, 2, -1)),
+        Expected(
+            ValueError,
+            "append_n() " + LINKED + _repr(3, 2, -1),
+            repair=Repair("append_n", {"linked": 1}, (2, 3, 0, 1)),
+        ),
     ),
     "append_n_sentinel": (
         append_n_sentinel,
-        Expected(ValueError, "append_n() " + SENTINEL + _repr(-1, 3, None)),
+        Expected(
+            ValueError,
+            "append_n() " + SENTINEL + _repr(-1, 3, None),
+            repair=Repair("append_n", {"sentinel": 1}, (2, 3, 0)),
+        ),
     ),
     "append_n_not_iterable": (
         append_n_not_iterable,
@@ -367,7 +442,11 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "prepend_n_duplicate": (
         prepend_n_duplicate,
-        Expected(ValueError, "prepend_n() " + TWICE + _repr(1)),
+        Expected(
+            ValueError,
+            "prepend_n() " + TWICE + _repr(1),
+            repair=Repair("prepend_n", {"duplicate": 1}, (1, 0, 2, 3)),
+        ),
     ),
     "prepend_n_str_in_batch": (
         prepend_n_str_in_batch,
@@ -375,7 +454,19 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "prepend_n_linked_first": (
         prepend_n_linked_first,
-        Expected(ValueError, "prepend_n() " + LINKED + _repr(2, -1, 3)),
+        Expected(
+            ValueError,
+            "prepend_n() " + LINKED + _repr(2, -1, 3),
+            repair=Repair("prepend_n", {"linked": 1}, (0, 2, 3)),
+        ),
+    ),
+    "remove_block_of_another_pool": (
+        remove_block_of_another_pool,
+        Expected(
+            ValueError,
+            "remove() called on a block of another pool's queue: " + _repr(1, 0, 2),
+            repair=Repair("remove", {"other_pool": 1}, (0, 1, 2)),
+        ),
     ),
     "iter_blocks_after_int": (
         iter_blocks_after_int,
@@ -423,7 +514,11 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "construct_over_linked_block": (
         construct_over_linked_block,
-        Expected(ValueError, "FreeKVCacheBlockQueue() " + LINKED + _repr(0, -1, 1)),
+        Expected(
+            ValueError,
+            "FreeKVCacheBlockQueue() " + LINKED + _repr(0, -1, 1),
+            repair=Repair("FreeKVCacheBlockQueue", {"linked": 1}, (3,)),
+        ),
     ),
     "construct_with_mixed_classes": (
         construct_with_mixed_classes,
@@ -437,8 +532,10 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         construct_unslotted_class,
         Expected(
             TypeError,
-            "construct_unslotted_class.<locals>.Loose.prev_free_block must be a __slots__ member "
-            "(e.g. a @dataclass(slots=True) field), not NoneType",
+            "FreeKVCacheBlockQueue(): blocks[0] has type construct_unslotted_class.<locals>.Loose"
+            ", which the queue cannot thread: construct_unslotted_class.<locals>.Loose."
+            "prev_free_block must be a __slots__ member (e.g. a @dataclass(slots=True) field), "
+            "not NoneType",
         ),
     ),
     "construct_block_type_not_a_class": (
@@ -448,10 +545,19 @@ CASES: dict[str, tuple[Setup, Expected]] = {
 }
 
 
-def outcome(mod: ModuleType, name: str) -> tuple[str, str, bool]:
+def with_policy(mod: ModuleType, on_misuse: str | None) -> ModuleType:
+    """``mod`` as a case sees it, its queues built with ``on_misuse`` (None: as ``mod``'s)."""
+    if on_misuse is None:
+        return mod
+    twin = ModuleType(mod.__name__)
+    vars(twin)["FreeKVCacheBlockQueue"] = partial(mod.FreeKVCacheBlockQueue, on_misuse=on_misuse)
+    return twin
+
+
+def outcome(mod: ModuleType, name: str, on_misuse: str | None = None) -> tuple[str, str, bool]:
     """(exception type name, message, state untouched) of one case on one twin."""
     setup, _ = CASES[name]
-    queue, blocks, call = setup(mod)
+    queue, blocks, call = setup(with_policy(mod, on_misuse))
     before = snapshot(queue, blocks)
     try:
         call()

@@ -209,11 +209,50 @@ def test_repr(queue_mod: ModuleType) -> None:
 
 def test_state_attributes_are_read_only(queue_mod: ModuleType) -> None:
     queue, blocks = make(queue_mod, KVCacheBlock, 2)
-    for name in ("num_free_blocks", "fake_free_list_head", "fake_free_list_tail", "block_type"):
+    for name in ("fake_free_list_head", "fake_free_list_tail", "block_type", "on_misuse"):
         with pytest.raises(AttributeError):
             setattr(queue, name, None)
     with pytest.raises(AttributeError):
         queue.other = 1
+    check_queue(queue, blocks, blocks)
+
+
+def test_assigned_count_moves_with_the_queue(queue_mod: ModuleType) -> None:
+    # vLLM's own tests fake a full cache this way, then restore the count.
+    queue, blocks = make(queue_mod, KVCacheBlock, 4)
+    queue.num_free_blocks = 0
+    assert queue.num_free_blocks == 0
+    queue.append_n([queue.popleft()])
+    assert queue.num_free_blocks == 0
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [1, 2, 3, 0]
+    with pytest.raises(AssertionError, match=r"popleft_n\(1\) asked for more"):
+        queue.popleft_n(1)
+    queue.num_free_blocks = 4
+    check_queue(queue, blocks[1:] + blocks[:1], blocks)
+    queue.popleft_n(4)
+    queue.num_free_blocks = 2
+    with pytest.raises(ValueError, match="No free blocks available"):
+        queue.popleft()
+
+
+@pytest.mark.parametrize(
+    ("value", "exc", "message"),
+    [
+        (None, TypeError, "num_free_blocks must be an integer, not NoneType"),
+        (1.0, TypeError, "num_free_blocks must be an integer, not float"),
+        (-1, ValueError, "num_free_blocks must be from 0 to sys.maxsize, not -1"),
+        (2**80, ValueError, f"num_free_blocks must be from 0 to sys.maxsize, not {2**80}"),
+    ],
+)
+def test_bad_count_assignment_changes_nothing(
+    queue_mod: ModuleType, value: object, exc: type[Exception], message: str
+) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 2)
+    with pytest.raises(exc) as info:
+        queue.num_free_blocks = value
+    assert str(info.value) == message
+    with pytest.raises(AttributeError, match="num_free_blocks cannot be deleted"):
+        del queue.num_free_blocks
     check_queue(queue, blocks, blocks)
 
 

@@ -93,6 +93,22 @@ class KVCacheBlock:
         self._block_hash = None
         self._block_hash_num_tokens = None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A copy, deep copy or pickle is detached: the links belong to the queue
+        # the original is in, and a copy that kept them would corrupt it.
+        return (
+            _detached,
+            (
+                type(self),
+                self.block_id,
+                self.ref_cnt,
+                self._block_hash,
+                self._block_hash_num_tokens,
+                self.is_null,
+                self.pool,
+            ),
+        )
+
     def __repr__(self) -> str:
         # Neighbours by id only: a full repr would recurse along the list.
         prev_block = self.prev_free_block
@@ -107,6 +123,18 @@ class KVCacheBlock:
             f"prev_free_block={prev_block_id}, "
             f"next_free_block={next_block_id})"
         )
+
+
+def _detached(
+    cls: type[KVCacheBlock],
+    block_id: int,
+    ref_cnt: int,
+    block_hash: Any,
+    block_hash_num_tokens: int | None,
+    is_null: bool,
+    pool: Any,
+) -> KVCacheBlock:
+    return cls(block_id, ref_cnt, block_hash, block_hash_num_tokens, None, None, is_null, pool=pool)
 
 
 def check_block_type(block_type: object) -> type:

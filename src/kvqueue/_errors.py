@@ -7,6 +7,8 @@ their tests match on them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import index
+import sys
 
 
 def empty() -> ValueError:
@@ -39,6 +41,13 @@ def too_many(n: int, num_free_blocks: int) -> AssertionError:
 
 def negative(n: int) -> ValueError:
     return ValueError(f"popleft_n() needs n >= 0, got {n}")
+
+
+def not_a_first_block(obj: object, why: TypeError) -> TypeError:
+    return TypeError(
+        f"FreeKVCacheBlockQueue(): blocks[0] has type {type(obj).__qualname__}, which the "
+        f"queue cannot thread: {why}"
+    )
 
 
 def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
@@ -79,3 +88,30 @@ def too_long(num_free_blocks: int) -> RuntimeError:
 
 def not_iterable(method: str) -> str:
     return f"{method}() needs an iterable of blocks"
+
+
+def other_pool(block: object) -> ValueError:
+    return ValueError(f"remove() called on a block of another pool's queue: {block}")
+
+
+def count(value: object) -> int:
+    """``value`` as a new ``num_free_blocks``: an integer from 0 to ``sys.maxsize``."""
+    try:
+        num = index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"num_free_blocks must be an integer, not {type(value).__qualname__}"
+        ) from None
+    if not 0 <= num <= sys.maxsize:
+        raise ValueError(f"num_free_blocks must be from 0 to sys.maxsize, not {num}")
+    return num
+
+
+COUNT_UNDELETABLE = "num_free_blocks cannot be deleted"
+
+UNCOPYABLE = (
+    "FreeKVCacheBlockQueue cannot be copied or pickled: it is threaded through its "
+    "blocks' own links, which a copy would share; build a new queue from new blocks"
+)
+
+INITIALIZED = "the queue is already initialized"

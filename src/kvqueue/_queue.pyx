@@ -1,4 +1,5 @@
 # cython: language_level=3, binding=False, always_allow_keywords=False, auto_pickle=False
+# cython: embedsignature=True, embedsignature.format=clinic
 """The compiled free-block queue: the twin of ``_queue_py``, same contract.
 
 The blocks stay instances of a plain ``__slots__`` class (fast for the engine's
@@ -13,6 +14,9 @@ an object would run that object's destructor (arbitrary Python code, maybe
 re-entering the queue) in the middle of an update. Such old values are swapped
 out into locals and released only when the queue is consistent again; a plain
 store is used only where the old value is None or held elsewhere.
+
+The list's invariants are the pure twin's (see the ``_queue_py`` docstring);
+misuse is refused or repaired by the same rules, in the same order.
 """
 
 cimport cython
@@ -23,9 +27,13 @@ from cpython.ref cimport Py_INCREF
 from cpython.number cimport PyNumber_Index
 from cpython.type cimport PyType_Check, PyType_IsSubtype
 
-from kvqueue import _errors
+from types import GenericAlias
+
+from kvqueue import _errors, _policy
 from kvqueue._block import KVCacheBlock, check_block_type
+from kvqueue._queue_py import FreeKVCacheBlockQueue as _Pure
 from kvqueue._queue_py import _as_sequence as _materialize
+from kvqueue._queue_py import _common_pool, _first_block_type
 
 cdef extern from *:
     """
@@ -90,7 +98,11 @@ cdef extern from *:
        dozens of times per scheduler step. */
     #define KVQ_COUNT_OFFSET ((Py_ssize_t)offsetof(struct KvqQueueObject, _num_obj))
     static PyMemberDef kvq_count_member = {
-        "num_free_blocks", Py_T_OBJECT_EX, 0, Py_READONLY, "The number of free blocks."
+        "num_free_blocks", Py_T_OBJECT_EX, 0, Py_READONLY,
+        "The number of free blocks. Assignable, as vLLM's plain attribute is (its "
+        "tests set 0 to fake a full cache): later calls then move the assigned count, "
+        "while the queue's own checks keep using the true length. Raises TypeError "
+        "for a non-integer, ValueError for one below 0 or above sys.maxsize."
     };
     static int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset)
     {
@@ -117,6 +129,15 @@ cdef extern from *:
         return v;
     }
 
+    /* Cython's C method table, which no other module cimports from this
+       final type: hidden so that help() and dir() match the pure twin's. */
+    static int kvq_hide_vtable(PyTypeObject *tp)
+    {
+        if (PyDict_DelItemString(tp->tp_dict, "__pyx_vtable__") < 0) return -1;
+        PyType_Modified(tp);
+        return 0;
+    }
+
     static inline int kvq_is_block(PyObject *o, PyTypeObject *tp)
     {
         return Py_TYPE(o) == tp || PyType_IsSubtype(Py_TYPE(o), tp);
@@ -131,6 +152,8 @@ cdef extern from *:
     Py_ssize_t kvq_exact_ssize(object o)
     Py_ssize_t KVQ_COUNT_OFFSET
     int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset) except -1
+    int kvq_hide_vtable(PyTypeObject *tp) except -1
+    int PyObject_GenericSetAttr(object o, object name, PyObject *value) except -1
     void PyObject_GC_Track(object o)
     void PyObject_GC_UnTrack(object o)
 
@@ -161,10 +184,19 @@ cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
 @cython.final
 @cython.no_gc_clear
 cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueType]:
-    """vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
+    """FreeKVCacheBlockQueue(blocks, *, block_type=None, on_misuse=None)
+--
+
+vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
 
     The block class is that of ``blocks[0]``, or ``block_type`` (default
     :class:`kvqueue.KVCacheBlock`); the sentinels are ``block_type(block_id=-1)``.
+    ``on_misuse`` is ``"raise"`` or ``"repair"``; None reads the environment
+    variable ``KVQUEUE_ON_MISUSE`` (unset: ``"raise"``). Building is O(n).
+
+    Raises TypeError for a non-iterable ``blocks`` or a non-block in it,
+    ValueError for a block given twice or already linked (under ``"raise"``)
+    and for an unknown policy.
     """
 
     # no_gc_clear: the sentinels must outlive any cycle collection that runs a
@@ -179,21 +211,41 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
     cdef Py_ssize_t _spare_num
     cdef object _spare_obj
     cdef readonly object fake_free_list_head
+    """The head sentinel, before the first free block."""
     cdef readonly object fake_free_list_tail
+    """The tail sentinel, after the last free block."""
     cdef readonly object block_type
+    """The class of the blocks this queue threads."""
     # NULL until construction finishes: every method checks it, since the
     # collector can hand out a half-built queue to Python code.
     cdef PyTypeObject *_tp
     cdef Py_ssize_t _prev
     cdef Py_ssize_t _next
+    # num_free_blocks minus the true length: nonzero only after an assignment.
+    cdef Py_ssize_t _offset
+    cdef bint _repair
+    cdef object _repairs
+    # The pool this queue's blocks belong to (None: unbound) and its slot.
+    cdef object _pool
+    cdef Py_ssize_t _pool_off
     cdef object __weakref__
 
-    def __cinit__(self, blocks, *, block_type=None):
+    __class_getitem__ = classmethod(GenericAlias)
+
+    def __cinit__(self, *args, **kwargs):
+        # The pure twin's __init__ parses the arguments and calls back _build:
+        # a wrong call gets the interpreter's own error, worded as on that twin.
+        _Pure.__init__(self, *args, **kwargs)
+
+    def _build(self, blocks, block_type, on_misuse, /):
+        if self._tp is not NULL:
+            raise RuntimeError(_errors.INITIALIZED)
         seq = _as_sequence(blocks, "FreeKVCacheBlockQueue")
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if block_type is None:
-            block_type = type(<object>PySequence_Fast_GET_ITEM(seq, 0)) if n else KVCacheBlock
+            block_type = _first_block_type(seq) if n else KVCacheBlock
         check_block_type(block_type)
+        on_misuse = _policy.resolve(on_misuse)
         self._prev = _slot_offset(block_type, "prev_free_block")
         self._next = _slot_offset(block_type, "next_free_block")
         if self._prev == self._next:
@@ -211,6 +263,12 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         self.fake_free_list_head = head
         self.fake_free_list_tail = tail
         self._set_count(0, 0)
+        self._repair = on_misuse == "repair"
+        self._repairs = dict.fromkeys(_policy.KINDS, 0)
+        pool = _common_pool(block_type, seq)
+        if pool is not None:
+            self._pool_off = _slot_offset(block_type, "pool")
+            self._pool = pool
         self._tp = tp
         # Python code ran since `n` was read (the block class, its constructor,
         # finalizers), and `seq` may be the caller's own list: read it again.
@@ -258,13 +316,51 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         getattr(<object>block, name)
         raise AttributeError(name)
 
+    @property
+    def on_misuse(self):
+        """``"raise"`` or ``"repair"``: what this queue does on misuse."""
+        return "repair" if self._repair else "raise"
+
+    @property
+    def repairs(self):
+        """How many misuses of each kind this queue repaired (a new dict)."""
+        self._check()
+        return dict(self._repairs)
+
+    def __setattr__(self, name, value):
+        # Only here, not in the member: a writable member would skip _set_count.
+        if name == "num_free_blocks":
+            self._check()
+            count = _errors.count(value)
+            self._offset += <Py_ssize_t>count - self._num
+            self._set_count(count, count)
+        else:
+            PyObject_GenericSetAttr(self, name, <PyObject *>value)
+
+    def __delattr__(self, name):
+        if name == "num_free_blocks":
+            raise AttributeError(_errors.COUNT_UNDELETABLE)
+        PyObject_GenericSetAttr(self, name, NULL)
+
+    cdef int _misuse(self, str method, object block, str kind, object error) except -1:
+        """Raise ``error`` under ``"raise"``; else count and report the repair."""
+        if not self._repair and error is not None:
+            raise error
+        count = self._repairs[kind] + 1
+        self._repairs[kind] = count
+        _policy.report(method, block, kind, count)
+        return 0
+
     def popleft(self):
-        """Pop the first free block."""
+        """Pop the first free block. O(1).
+
+        Raises ValueError when the queue is empty.
+        """
         self._check()
         head = self.fake_free_list_head
         cdef PyObject *first = self._follow(<PyObject *>head, self._next, "popleft()")
         if first is <PyObject *>self.fake_free_list_tail or first is NONE:
-            if self._num != 0:
+            if self._num != self._offset:
                 raise _errors.out_of_sync(self._num)
             raise _errors.empty()
         block = <object>first
@@ -281,7 +377,11 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         return block
 
     def popleft_n(self, n, /):
-        """Pop the first ``n`` free blocks, in order."""
+        """Pop the first ``n`` free blocks, in order. O(n).
+
+        Raises TypeError for a non-integer ``n``, ValueError for a negative
+        one, AssertionError when ``n`` exceeds ``num_free_blocks``.
+        """
         self._check()
         cdef Py_ssize_t count
         if type(n) is int:
@@ -335,15 +435,25 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         return ret
 
     def remove(self, block, /):
-        """Take ``block`` out of the middle of the queue."""
+        """Take ``block`` out of the middle of the queue. O(1).
+
+        Raises TypeError for a non-block, RuntimeError for a block that is
+        not linked, ValueError for a block of another pool; under
+        ``"repair"`` the last two are no-ops.
+        """
         self._check()
         cdef PyObject *b = <PyObject *>block
         if not kvq_is_block(b, self._tp):
             raise _errors.not_a_block(block, self.block_type, "remove()")
+        if self._pool is not None and kvq_get(b, self._pool_off) is not <PyObject *>self._pool:
+            self._read(b, self._pool_off)
+            self._misuse("remove", block, "other_pool", _errors.other_pool(block))
+            return
         prev_block = <object>self._follow(b, self._prev, "remove()")
         next_block = <object>self._follow(b, self._next, "remove()")
         if prev_block is None or next_block is None:
-            raise _errors.invalid_remove(block)
+            self._misuse("remove", block, "not_linked", _errors.invalid_remove(block))
+            return
         num_obj = self._count_obj(self._num - 1)
         _old_next = kvq_swap(<PyObject *>prev_block, self._next, <PyObject *>next_block)
         _old_prev = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>prev_block)
@@ -352,7 +462,11 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         self._set_count(self._num - 1, num_obj)
 
     def append(self, block, /):
-        """Put ``block`` at the end of the queue (evicted last)."""
+        """Put ``block`` at the end of the queue (evicted last). O(1).
+
+        Raises TypeError for a non-block, ValueError for a linked block or a
+        sentinel (under ``"repair"``: skipped).
+        """
         self._check()
         tail = self.fake_free_list_tail
         last_block = <object>self._follow(<PyObject *>tail, self._prev, "append()")
@@ -362,9 +476,11 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         if not kvq_is_block(b, self._tp):
             raise _errors.not_a_block(block, self.block_type, "append()")
         if self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE:
-            raise _errors.already_linked(
-                "append", block, (), 0, (self.fake_free_list_head, tail)
-            )
+            head = self.fake_free_list_head
+            kind = "sentinel" if block is head or block is tail else "linked"
+            error = _errors.already_linked("append", block, (), 0, (head, tail))
+            self._misuse("append", block, kind, error)
+            return
         self._insert_one(b, last_block, tail)
 
     cdef inline int _insert_one(self, PyObject *b, object left, object right) except -1:
@@ -386,7 +502,10 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         )
 
     def append_n(self, blocks, /):
-        """Put ``blocks`` at the end of the queue, in order."""
+        """Put ``blocks`` at the end of the queue, in order. O(len(blocks)).
+
+        Raises as :meth:`append`, before anything is linked.
+        """
         self._check()
         seq = _as_sequence(blocks, "append_n")
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
@@ -404,7 +523,11 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
             self._link("append_n", last_block, tail, seq, n)
 
     def prepend_n(self, blocks, /):
-        """Put ``blocks`` at the front of the queue (evicted first), in order."""
+        """Put ``blocks`` at the front of the queue (evicted first), in order.
+        O(len(blocks)).
+
+        Raises as :meth:`append`, before anything is linked.
+        """
         self._check()
         seq = _as_sequence(blocks, "prepend_n")
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
@@ -419,14 +542,17 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         else:
             self._link("prepend_n", head, first_block, seq, n)
 
-    cdef int _link(self, str method, object left, object right, object seq, Py_ssize_t n) except -1:
+    cdef int _link(
+        self, str method, object left, object right, object seq, Py_ssize_t n, bint screened=False
+    ) except -1:
         """Link the ``n`` > 0 blocks of list or tuple ``seq`` between two blocks.
 
         Each block is checked as it is linked; on the first bad one the links
         made so far are undone. A block seen twice is caught because its first
         visit already gave it a ``prev_free_block``. No Python code can run
         inside the loop (every old value replaced is None), so ``seq`` cannot
-        change under it.
+        change under it. Under ``"repair"`` a bad batch is screened and its
+        good blocks linked; ``screened`` marks that second pass.
         """
         cdef Py_ssize_t i
         cdef PyObject *b
@@ -456,6 +582,8 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
                 raise _errors.not_a_block(block, self.block_type, f"{method}()")
             self._read(b, P)
             self._read(b, N)
+            if self._repair and not screened:
+                return self._link_repaired(method, left, right, seq)
             raise _errors.already_linked(
                 method, block, seq, i, (self.fake_free_list_head, self.fake_free_list_tail)
             )
@@ -463,6 +591,37 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         _old_prev = kvq_swap(<PyObject *>right, P, prev)
         _old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
         self._set_count(self._num + n, num_obj)
+        return 0
+
+    cdef int _link_repaired(self, str method, object left, object right, object seq) except -1:
+        """Link the good blocks of a batch that failed ``_link``, then report the rest.
+
+        Raises TypeError, with nothing linked, if the batch holds a non-block.
+        """
+        # A private copy: the collector may run finalizers that change `seq`.
+        cdef list items = list(seq)
+        cdef PyObject *b
+        sentinels = (self.fake_free_list_head, self.fake_free_list_tail)
+        seen = set()
+        good = []
+        skipped = []
+        for block in items:
+            b = <PyObject *>block
+            if not kvq_is_block(b, self._tp):
+                raise _errors.not_a_block(block, self.block_type, f"{method}()")
+            if block is sentinels[0] or block is sentinels[1]:
+                skipped.append((block, "sentinel"))
+            elif id(block) in seen:
+                skipped.append((block, "duplicate"))
+            elif self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE:
+                skipped.append((block, "linked"))
+            else:
+                seen.add(id(block))
+                good.append(block)
+        if good:
+            self._link(method, left, right, good, len(good), True)
+        for block, kind in skipped:
+            self._misuse(method, block, kind, None)
         return 0
 
     cdef void _unlink_run(self, object seq, Py_ssize_t count) noexcept:
@@ -475,7 +634,10 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
             kvq_set(b, self._next, NONE)
 
     def get_all_free_blocks(self):
-        """All free blocks in eviction order (a snapshot)."""
+        """All free blocks in eviction order (a snapshot). O(n).
+
+        Raises RuntimeError if the list is corrupted (longer than its count).
+        """
         self._check()
         # Allocated first: the allocation may run finalizers (see popleft_n).
         cdef list ret = []
@@ -484,7 +646,7 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         )
         if curr is NONE:
             raise RuntimeError(_errors.HEAD_LOST)
-        cdef Py_ssize_t limit = self._num
+        cdef Py_ssize_t limit = self._num - self._offset
         cdef PyObject *next_block
         while True:
             next_block = self._follow(curr, self._next, "get_all_free_blocks()")
@@ -499,7 +661,8 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         """Iterate the free blocks after ``cursor`` (None: from the front).
 
         Lazy like vLLM's generator: each successor is read when it is asked
-        for, so the iterator follows the live list across mutations.
+        for, so the iterator follows the live list across mutations. O(1) per
+        step. Raises TypeError for a cursor that is neither None nor a block.
         """
         self._check()
         if cursor is None:
@@ -513,7 +676,12 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
         return _BlockIterator(self, self.fake_free_list_head)
 
     def __len__(self):
+        if self._num < 0:
+            raise ValueError("__len__() should return >= 0")
         return self._num
+
+    def __reduce_ex__(self, protocol, /):
+        raise TypeError(_errors.UNCOPYABLE)
 
     def __repr__(self):
         name = "uninitialized" if self._tp is NULL else self.block_type.__qualname__
@@ -524,6 +692,7 @@ cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueTyp
 
 
 kvq_expose_count(<PyTypeObject *>FreeKVCacheBlockQueue, KVQ_COUNT_OFFSET)
+kvq_hide_vtable(<PyTypeObject *>FreeKVCacheBlockQueue)
 
 
 @cython.final

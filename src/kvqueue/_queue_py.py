@@ -7,17 +7,33 @@ attribute once into a local: each attribute access costs more than the local.
 
 Unlike vLLM's queue, every call validates its arguments before it mutates
 anything (or rolls back the links it made), so misuse raises instead of
-silently corrupting the list. Links assigned from outside the queue are not
+silently corrupting the list, or, under ``on_misuse="repair"``, is repaired
+and reported (see ``_policy``). Links assigned from outside the queue are not
 checked here: the compiled twin checks them because it must never crash.
+
+The list's invariants, kept by every call that returns normally:
+
+* ``head.prev_free_block`` and ``tail.next_free_block`` are None; following
+  ``next_free_block`` from ``head`` reaches ``tail``, and ``prev_free_block``
+  retraces the same path backwards.
+* A block is in the list exactly when either of its links is not None; a
+  block taken out has both links set to None.
+* ``num_free_blocks - _offset`` is the number of blocks between the
+  sentinels. ``_offset`` is 0 unless a caller assigned ``num_free_blocks``
+  (as vLLM's tests do to fake a full cache); every call then moves the
+  assigned count as it moves the true one.
+* A queue bound to a pool (its blocks all carried that ``pool`` when it was
+  built) only ever links or unlinks blocks of that pool through ``remove``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from operator import index
-from typing import Any, Generic, Protocol, TypeVar, cast, final
+from types import MemberDescriptorType
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast, final
 
-from . import _errors
+from . import _errors, _policy
 from ._block import KVCacheBlock, check_block_type, is_subtype
 
 __all__ = ("FreeKVCacheBlockQueue",)
@@ -40,19 +56,49 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     The block class is that of ``blocks[0]``, or ``block_type`` (default
     :class:`kvqueue.KVCacheBlock`); the sentinels are ``block_type(block_id=-1)``.
+    ``on_misuse`` is ``"raise"`` or ``"repair"``; None reads the environment
+    variable ``KVQUEUE_ON_MISUSE`` (unset: ``"raise"``). Building is O(n).
+
+    Raises TypeError for a non-iterable ``blocks`` or a non-block in it,
+    ValueError for a block given twice or already linked (under ``"raise"``)
+    and for an unknown policy.
     """
 
-    __slots__ = ("__weakref__", "_block_type", "_head", "_num_free_blocks", "_tail")
+    __slots__ = (
+        "__weakref__",
+        "_block_type",
+        "_head",
+        "_num_free_blocks",
+        "_offset",
+        "_on_misuse",
+        "_pool",
+        "_repairs",
+        "_tail",
+    )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # The compiled twin is a final type; keep the twins interchangeable.
         raise TypeError("FreeKVCacheBlockQueue is not an acceptable base type")
 
-    def __init__(self, blocks: Iterable[B], *, block_type: type[B] | None = None) -> None:
+    def __init__(
+        self,
+        blocks: Iterable[B],
+        *,
+        block_type: type[B] | None = None,
+        on_misuse: _policy.MisusePolicy | None = None,
+    ) -> None:
+        self._build(blocks, block_type, on_misuse)
+
+    def _build(self, blocks: Iterable[B], block_type: type[B] | None, on_misuse: object) -> None:
+        # Split from __init__, which the compiled twin calls to parse its own
+        # arguments: a wrong call then gets the interpreter's error, worded alike.
+        if hasattr(self, "_head"):
+            raise RuntimeError(_errors.INITIALIZED)
         blocks = _as_sequence(blocks, "FreeKVCacheBlockQueue")
         if block_type is None:
-            block_type = type(blocks[0]) if blocks else cast("type[B]", KVCacheBlock)
+            block_type = _first_block_type(blocks) if blocks else cast("type[B]", KVCacheBlock)
         check_block_type(block_type)
+        self._on_misuse = _policy.resolve(on_misuse)
         make = cast(Any, block_type)
         head: Any = make(block_id=-1)
         tail: Any = make(block_id=-1)
@@ -64,31 +110,65 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._tail: B = tail
         self._block_type: type[B] = block_type
         self._num_free_blocks = 0
+        self._offset = 0
+        self._repairs = dict.fromkeys(_policy.KINDS, 0)
+        self._pool = _common_pool(block_type, blocks)
         if blocks:
             self._link("FreeKVCacheBlockQueue", head, tail, blocks)
 
     @property
     def num_free_blocks(self) -> int:
+        """The number of free blocks. Assignable, as vLLM's plain attribute is (its
+        tests set 0 to fake a full cache): later calls then move the assigned count,
+        while the queue's own checks keep using the true length. Raises TypeError
+        for a non-integer, ValueError for one below 0 or above sys.maxsize.
+        """
         return self._num_free_blocks
+
+    @num_free_blocks.setter
+    def num_free_blocks(self, value: int) -> None:
+        count = _errors.count(value)
+        self._offset += count - self._num_free_blocks
+        self._num_free_blocks = count
+
+    @num_free_blocks.deleter
+    def num_free_blocks(self) -> None:
+        raise AttributeError(_errors.COUNT_UNDELETABLE)
 
     @property
     def fake_free_list_head(self) -> B:
+        """The head sentinel, before the first free block."""
         return self._head
 
     @property
     def fake_free_list_tail(self) -> B:
+        """The tail sentinel, after the last free block."""
         return self._tail
 
     @property
     def block_type(self) -> type[B]:
+        """The class of the blocks this queue threads."""
         return self._block_type
 
+    @property
+    def on_misuse(self) -> _policy.MisusePolicy:
+        """``"raise"`` or ``"repair"``: what this queue does on misuse."""
+        return self._on_misuse
+
+    @property
+    def repairs(self) -> dict[str, int]:
+        """How many misuses of each kind this queue repaired (a new dict)."""
+        return dict(self._repairs)
+
     def popleft(self) -> B:
-        """Pop the first free block."""
+        """Pop the first free block. O(1).
+
+        Raises ValueError when the queue is empty.
+        """
         head: Any = self._head
         first: B = head.next_free_block
         if first is self._tail or first is None:
-            if self._num_free_blocks != 0:
+            if self._num_free_blocks != self._offset:
                 raise _errors.out_of_sync(self._num_free_blocks)
             raise _errors.empty()
         next_block = first.next_free_block
@@ -101,7 +181,11 @@ class FreeKVCacheBlockQueue(Generic[B]):
         return first
 
     def popleft_n(self, n: int, /) -> list[B]:
-        """Pop the first ``n`` free blocks, in order."""
+        """Pop the first ``n`` free blocks, in order. O(n).
+
+        Raises TypeError for a non-integer ``n``, ValueError for a negative
+        one, AssertionError when ``n`` exceeds ``num_free_blocks``.
+        """
         if type(n) is not int:
             n = index(n)
         num = self._num_free_blocks
@@ -145,21 +229,33 @@ class FreeKVCacheBlockQueue(Generic[B]):
         return ret
 
     def remove(self, block: B, /) -> None:
-        """Take ``block`` out of the middle of the queue."""
+        """Take ``block`` out of the middle of the queue. O(1).
+
+        Raises TypeError for a non-block, RuntimeError for a block that is
+        not linked, ValueError for a block of another pool; under
+        ``"repair"`` the last two are no-ops.
+        """
         block_type = self._block_type
         if type(block) is not block_type and not is_subtype(type(block), block_type):
             raise _errors.not_a_block(block, block_type, "remove()")
+        pool = self._pool
+        if pool is not None and cast(Any, block).pool is not pool:
+            return self._misuse("remove", block, "other_pool", _errors.other_pool(block))
         prev_block = block.prev_free_block
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
-            raise _errors.invalid_remove(block)
+            return self._misuse("remove", block, "not_linked", _errors.invalid_remove(block))
         prev_block.next_free_block = next_block
         next_block.prev_free_block = prev_block
         block.prev_free_block = block.next_free_block = None
         self._num_free_blocks -= 1
 
     def append(self, block: B, /) -> None:
-        """Put ``block`` at the end of the queue (evicted last)."""
+        """Put ``block`` at the end of the queue (evicted last). O(1).
+
+        Raises TypeError for a non-block, ValueError for a linked block or a
+        sentinel (under ``"repair"``: skipped).
+        """
         tail: Any = self._tail
         last_block = tail.prev_free_block
         if last_block is None:
@@ -168,7 +264,9 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if type(block) is not block_type and not is_subtype(type(block), block_type):
             raise _errors.not_a_block(block, block_type, "append()")
         if block.prev_free_block is not None or block.next_free_block is not None:
-            raise _errors.already_linked("append", block, (), 0, (self._head, tail))
+            kind = "sentinel" if block is self._head or block is tail else "linked"
+            error = _errors.already_linked("append", block, (), 0, (self._head, tail))
+            return self._misuse("append", block, kind, error)
         last_block.next_free_block = block
         block.prev_free_block = last_block
         block.next_free_block = tail
@@ -176,7 +274,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[B], /) -> None:
-        """Put ``blocks`` at the end of the queue, in order."""
+        """Put ``blocks`` at the end of the queue, in order. O(len(blocks)).
+
+        Raises as :meth:`append`, before anything is linked.
+        """
         # The common list skips the call, which costs as much as linking a block.
         if type(blocks) is not list and type(blocks) is not tuple:
             blocks = _as_sequence(blocks, "append_n")
@@ -204,7 +305,11 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._link("append_n", last_block, tail, blocks)
 
     def prepend_n(self, blocks: Iterable[B], /) -> None:
-        """Put ``blocks`` at the front of the queue (evicted first), in order."""
+        """Put ``blocks`` at the front of the queue (evicted first), in order.
+        O(len(blocks)).
+
+        Raises as :meth:`append`, before anything is linked.
+        """
         if type(blocks) is not list and type(blocks) is not tuple:
             blocks = _as_sequence(blocks, "prepend_n")
         if not blocks:
@@ -215,14 +320,22 @@ class FreeKVCacheBlockQueue(Generic[B]):
             raise AssertionError(_errors.HEAD_LOST)
         self._link("prepend_n", head, first_block, blocks)
 
-    def _link(self, method: str, left: Any, right: Any, blocks: tuple[B, ...] | list[B]) -> None:
+    def _link(
+        self,
+        method: str,
+        left: Any,
+        right: Any,
+        blocks: tuple[B, ...] | list[B],
+        screened: bool = False,
+    ) -> None:
         """Link the non-empty ``blocks`` between ``left`` and ``right``.
 
         Each block is checked as it is linked; on the first bad one the links
         made so far are undone. A block seen twice is caught because its first
         visit already gave it a ``prev_free_block``. The checks cost about half
         of vLLM's loop again: they are what keeps a bad batch from corrupting
-        the list.
+        the list. Under ``"repair"`` a bad batch is screened and its good
+        blocks linked; ``screened`` marks that second pass.
         """
         block_type = self._block_type
         prev: Any = left
@@ -246,14 +359,56 @@ class FreeKVCacheBlockQueue(Generic[B]):
         position = _unlink_run(blocks[0], prev, left, right)
         if type(block) is not block_type and not is_subtype(type(block), block_type):
             raise _errors.not_a_block(block, block_type, f"{method}()")
+        if self._on_misuse == "repair" and not screened:
+            return self._link_repaired(method, left, right, blocks)
         raise _errors.already_linked(method, block, blocks, position, (self._head, self._tail))
 
+    def _link_repaired(
+        self, method: str, left: Any, right: Any, blocks: tuple[B, ...] | list[B]
+    ) -> None:
+        """Link the good blocks of a batch that failed ``_link``, then report the rest.
+
+        Raises TypeError, with nothing linked, if the batch holds a non-block.
+        """
+        block_type = self._block_type
+        sentinels = (self._head, self._tail)
+        seen: set[int] = set()
+        good: list[B] = []
+        skipped: list[tuple[B, str]] = []
+        for block in blocks:
+            if type(block) is not block_type and not is_subtype(type(block), block_type):
+                raise _errors.not_a_block(block, block_type, f"{method}()")
+            if block is sentinels[0] or block is sentinels[1]:
+                skipped.append((block, "sentinel"))
+            elif id(block) in seen:
+                skipped.append((block, "duplicate"))
+            elif block.prev_free_block is not None or block.next_free_block is not None:
+                skipped.append((block, "linked"))
+            else:
+                seen.add(id(block))
+                good.append(block)
+        if good:
+            self._link(method, left, right, good, screened=True)
+        for block, kind in skipped:
+            self._misuse(method, block, kind, None)
+
+    def _misuse(self, method: str, block: B, kind: str, error: Exception | None) -> None:
+        """Raise ``error`` under ``"raise"``; else count and report the repair."""
+        if self._on_misuse != "repair" and error is not None:
+            raise error
+        count = self._repairs[kind] + 1
+        self._repairs[kind] = count
+        _policy.report(method, block, kind, count)
+
     def get_all_free_blocks(self) -> list[B]:
-        """All free blocks in eviction order (a snapshot)."""
+        """All free blocks in eviction order (a snapshot). O(n).
+
+        Raises RuntimeError if the list is corrupted (longer than its count).
+        """
         curr: Any = self._head.next_free_block
         if curr is None:
             raise RuntimeError(_errors.HEAD_LOST)
-        limit = self._num_free_blocks
+        limit = self._num_free_blocks - self._offset
         ret: list[B] = []
         while (next_block := curr.next_free_block) is not None:
             if len(ret) >= limit:
@@ -266,7 +421,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """Iterate the free blocks after ``cursor`` (None: from the front).
 
         Lazy like vLLM's generator: each successor is read when it is asked
-        for, so the iterator follows the live list across mutations.
+        for, so the iterator follows the live list across mutations. O(1) per
+        step. Raises TypeError for a cursor that is neither None nor a block.
         """
         if cursor is None:
             return self._iter_after(self._head)
@@ -289,11 +445,33 @@ class FreeKVCacheBlockQueue(Generic[B]):
     def __len__(self) -> int:
         return self._num_free_blocks
 
+    def __reduce_ex__(self, protocol: object, /) -> NoReturn:
+        raise TypeError(_errors.UNCOPYABLE)
+
     def __repr__(self) -> str:
         return (
             f"<{type(self).__qualname__} num_free_blocks={self._num_free_blocks} "
             f"block_type={self._block_type.__qualname__}>"
         )
+
+
+def _first_block_type(blocks: tuple[B, ...] | list[B]) -> type[B]:
+    """The class of ``blocks[0]``, if the queue can thread it; else TypeError naming it."""
+    block_type = type(blocks[0])
+    try:
+        return check_block_type(block_type)
+    except TypeError as exc:
+        raise _errors.not_a_first_block(blocks[0], exc) from None
+
+
+def _common_pool(block_type: type, blocks: tuple[B, ...] | list[B]) -> object:
+    """The ``pool`` all ``blocks`` share, or None: it binds the queue to that pool."""
+    if not blocks or type(getattr(block_type, "pool", None)) is not MemberDescriptorType:
+        return None
+    pool = getattr(blocks[0], "pool", None)
+    if pool is None or any(getattr(block, "pool", None) is not pool for block in blocks):
+        return None
+    return pool
 
 
 def _as_sequence(blocks: Iterable[B], method: str) -> tuple[B, ...] | list[B]:
