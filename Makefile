@@ -1,15 +1,29 @@
-# Each target makes its own virtual environment, so these work on a fresh machine.
+# Each target makes its own virtual environment, so these work on a fresh machine:
+# $(VENV) holds kvqueue with its test and lint extras (test, lint, memcheck), and
+# $(BENCH_VENV) kvqueue with the bench extra only (bench, bench-engine, engine-check).
 PYTHON ?= python3
 VENV ?= .venv
+BENCH_VENV ?= .venv-bench
 PY := $(VENV)/bin/python
-SOURCES := pyproject.toml setup.py $(wildcard src/kvqueue/*)
+BENCH_PY := $(BENCH_VENV)/bin/python
+# What an install is built from. Not the _queue.c / _queue.h that every build
+# writes into src/: with them, each install would make the next one stale.
+SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
+	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
 
-.PHONY: test bench bench-engine lint memcheck clean
+.PHONY: test bench bench-engine engine-check lint memcheck clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q ".[test,lint]"
+	touch $@
+
+# The bench extra (matplotlib) draws the chart beside the table.
+$(BENCH_VENV)/.ready: $(SOURCES)
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q ".[bench]"
 	touch $@
 
 # The suite runs against the installed package, never against src/.
@@ -23,21 +37,22 @@ lint: $(VENV)/.ready
 	$(PY) -m mypy
 	PATH="$(VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx
 
-# The bench extra (matplotlib) draws the chart beside the table.
-$(VENV)/.bench-ready: $(VENV)/.ready
-	$(PY) -m pip install -q ".[bench]"
-	touch $@
+bench: $(BENCH_VENV)/.ready
+	$(BENCH_PY) bench/run.py $(BENCH_ARGS)
 
-bench: $(VENV)/.bench-ready
-	$(PY) bench/run.py $(BENCH_ARGS)
+# vLLM's real block pool driven by a serving trace: the same steps with each twin
+# as with vLLM's own queue (fetches the vLLM 0.33.0 and 0.30.0 wheels once, about
+# 340 MB each; ENGINE_CHECK_ARGS="--versions 0.33.0" for one).
+engine-check: $(BENCH_VENV)/.ready
+	$(BENCH_PY) bench/engine_check.py $(ENGINE_CHECK_ARGS)
 
-# vLLM's real block pool driven by a serving trace, once per queue.
-bench-engine: $(VENV)/.ready
-	$(PY) bench/engine.py $(BENCH_ARGS)
+# The same pool timed, once per queue, after the check.
+bench-engine: engine-check
+	$(BENCH_PY) bench/engine.py $(BENCH_ARGS)
 
 # The compiled twin under AddressSanitizer and valgrind (MEMCHECK_ARGS=--full: whole suite).
 memcheck: $(VENV)/.ready
 	bash tools/memcheck.sh $(MEMCHECK_ARGS)
 
 clean:
-	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/*.c src/kvqueue/*.h
+	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_queue.h

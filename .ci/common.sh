@@ -2,17 +2,12 @@
 
 # copy_suite DEST: the test suite, away from the source tree (tests/ and the
 # pytest settings only), so that src/ cannot be imported and the installed
-# kvqueue is what runs. Some tests load helpers from ../bench (vLLM's code read
-# from its wheel): bench holds no kvqueue code.
+# kvqueue is what runs.
 copy_suite() {
     local dest=$1
     mkdir -p "$dest"
     cp -r "$ROOT/tests" "$dest/tests"
     cp "$ROOT/pyproject.toml" "$dest/"
-    if [[ -d "$ROOT/bench" ]]; then
-        cp -r "$ROOT/bench" "$dest/bench"
-        rm -rf "$dest/bench/results"
-    fi
     rm -rf "$dest/tests/__pycache__" "$dest/tests/.hypothesis"
 }
 
