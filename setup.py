@@ -1,14 +1,19 @@
 """Build the compiled twin, unless a pure build is asked for or cannot be had.
 
-``KVQUEUE_PURE=1`` (or a non-CPython interpreter) builds a pure wheel. The
-extension is ``optional``: with no working compiler the build still succeeds
-and ``import kvqueue`` falls back to the pure twin.
+``KVQUEUE_PURE=1`` (or a non-CPython interpreter) builds a pure wheel. With no
+working compiler the build still succeeds: it warns on stderr, the wheel holds
+the pure twin only and is tagged ``py3-none-any`` (not this interpreter's
+platform, which it does not need), and ``import kvqueue`` uses the pure twin.
 """
 
 import os
 import platform
+import sys
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import BaseError, CCompilerError
 
 
 def _pure_build() -> bool:
@@ -17,17 +22,60 @@ def _pure_build() -> bool:
     )
 
 
+class build_ext_or_pure(build_ext):
+    """build_ext that drops an extension it cannot build, and says so on stderr.
+
+    Dropped from the distribution's ``ext_modules`` (after the build loop, which
+    iterates that list): bdist_wheel then sees a pure distribution, and an in-place
+    build copies nothing. Catches what a missing or broken compiler raises
+    (compile, link, exec and platform errors); anything else fails the build.
+    """
+
+    def build_extensions(self) -> None:
+        self._failed: list[Extension] = []
+        super().build_extensions()
+        for ext in self._failed:
+            self.extensions.remove(ext)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except (CCompilerError, BaseError) as exc:
+            self._failed.append(ext)
+            print(
+                f"\nWARNING: kvqueue: the compiled queue ({ext.name}) could not be built:"
+                f" {exc}\nWARNING: kvqueue: installing the pure-Python twin only"
+                " (kvqueue.IMPLEMENTATION == 'python': the same queue, slower calls)."
+                " For the compiled one, install a C compiler and the Python headers,"
+                " then reinstall.\n",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class bdist_wheel_or_pure(bdist_wheel):
+    """bdist_wheel that tags the wheel by what was built, not by what was asked for.
+
+    bdist_wheel decides purity in finalize_options, before build_ext has run: build
+    first, then decide. Builds once (run_command skips a command that has run).
+    """
+
+    def run(self) -> None:
+        if not self.skip_build:
+            self.run_command("build")
+        self.root_is_pure = not self.distribution.has_ext_modules()
+        super().run()
+
+
 if _pure_build():
     setup()
 else:
     from Cython.Build import cythonize
 
-    extensions = cythonize(
-        [Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"], optional=True)],
-        compiler_directives={"language_level": "3"},
+    setup(
+        ext_modules=cythonize(
+            [Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"])],
+            compiler_directives={"language_level": "3"},
+        ),
+        cmdclass={"build_ext": build_ext_or_pure, "bdist_wheel": bdist_wheel_or_pure},
     )
-    # cythonize() rebuilds each Extension from a fixed list of settings and drops
-    # ``optional``: without this, a missing compiler fails the install.
-    for extension in extensions:
-        extension.optional = True
-    setup(ext_modules=extensions)

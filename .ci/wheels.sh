@@ -10,7 +10,8 @@
 #    source tree (src/ is not importable), with the compiled twin loaded.
 # 3. The sdist installed with KVQUEUE_PURE=1 and with no working compiler
 #    (CC=false) gives a working pure install (IMPLEMENTATION == "python"); the
-#    suite runs against each (pure twin only); the pure wheel is py3-none-any.
+#    suite runs against each (pure twin only); the pure wheel is py3-none-any,
+#    and so is the CC=false one, whose build warns that it fell back.
 #
 # Installs what it needs (venvs under $KVQUEUE_CI_CACHE, default
 # ~/.cache/kvqueue-ci; pip's own cache holds downloads). Repaired wheels go to
@@ -165,10 +166,18 @@ run_suite "$WORK/venv-pure" python --no-c-extensions
 
 log "sdist install with no working compiler (CC=false)"
 new_venv "$PURE_PY" "$WORK/venv-nocc"
-CC=false LDSHARED=false "$WORK/venv-nocc/bin/python" -m pip install -q --no-deps "$SDIST" \
-    || die "the sdist failed to install without a compiler"
-"$WORK/venv-nocc/bin/python" - <<'PY' || die "CC=false still produced a compiled module"
-import importlib.util, sys
+# -v: pip shows a successful build's output only when verbose.
+CC=false LDSHARED=false "$WORK/venv-nocc/bin/python" -m pip install -v --no-deps "$SDIST" \
+    >"$WORK/nocc.log" 2>&1 || { cat "$WORK/nocc.log" >&2; die "the sdist failed to install without a compiler"; }
+grep -q "WARNING: kvqueue: installing the pure-Python twin only" "$WORK/nocc.log" \
+    || die "CC=false: no fallback warning in the build output"
+grep -Eq "Created wheel for kvqueue: filename=kvqueue-[^ ]+-py3-none-any\.whl" "$WORK/nocc.log" \
+    || die "CC=false: the wheel is not py3-none-any: $(grep 'Created wheel' "$WORK/nocc.log")"
+"$WORK/venv-nocc/bin/python" - <<'PY' || die "CC=false still produced a compiled module, or a platform wheel"
+import importlib.metadata, importlib.util, sys
+wheel = importlib.metadata.distribution("kvqueue").read_text("WHEEL")
+print(wheel, end="")
+assert "Tag: py3-none-any" in wheel and "Root-Is-Purelib: true" in wheel
 sys.exit(importlib.util.find_spec("kvqueue._queue") is not None)
 PY
 run_suite "$WORK/venv-nocc" python --no-c-extensions
