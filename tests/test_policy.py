@@ -8,6 +8,7 @@ policies; each case's data says what ``"repair"`` yields.
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 import logging
 import pickle
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 from blocks import BLOCK_CLASSES
-from fuzz_common import detached, outcome
+from fuzz_common import detached, outcome, well_formed
 from helpers import check_queue, snapshot
 from invalid_ops import CASES, Repair, with_policy
 
@@ -526,3 +527,49 @@ def test_a_copied_block_comes_back_detached(queue_mod: ModuleType, how: str) -> 
     assert snapshot(queue, blocks) == before
     queue.append(twin)  # a detached block: the queue takes it
     check_queue(queue, [*blocks, twin], [*blocks, twin])
+
+
+# -- a collection inside a repair ---------------------------------------------------
+
+
+class _FreeOnCollect:
+    """Cyclic garbage whose finalizer frees a block into the queue and allocates one."""
+
+    def __init__(self, queue: Any, block: Any) -> None:
+        self.queue = queue
+        self.block = block
+        self.me = self
+
+    def __del__(self) -> None:
+        self.queue.append(self.block)
+        self.queue.popleft()
+
+
+@pytest.mark.c_extension
+@pytest.mark.parametrize("method", ["append_n", "prepend_n"])
+def test_a_collection_inside_a_repaired_batch_keeps_the_compiled_queue_whole(
+    method: str, repair_log: pytest.LogCaptureFixture
+) -> None:
+    """The compiled twin is atomic under re-entrant collection (see
+    hostile_cases.py); a repair allocates (its screening copy of the batch)
+    before it links, so the collector can run a finalizer there that moves the
+    ends of the list. 3.11 collects at the allocation itself."""
+    mod = importlib.import_module("kvqueue._queue")
+    blocks = [KVCacheBlock(i) for i in range(40)]
+    queue = mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+    call = getattr(queue, method)  # a bound method is an allocation: made first
+    threshold = gc.get_threshold()
+    for round_ in range(5):
+        popped = queue.popleft_n(2)
+        batch = [popped[0], popped[0], popped[1]]
+        gc.set_threshold(0)
+        drained: list[Any] = [[] for _ in range(100)]
+        _FreeOnCollect(queue, KVCacheBlock(100 + round_))
+        gc.set_threshold(1)
+        try:
+            call(batch)
+        finally:
+            gc.set_threshold(*threshold)
+        del drained
+        assert well_formed(queue) is None, well_formed(queue)
+        assert all(b.prev_free_block is not None for b in popped)
