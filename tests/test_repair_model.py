@@ -2,11 +2,12 @@
 misuse: double frees, duplicates in batches, sentinels, blocks of another
 queue, removes of unlinked blocks and of another pool's blocks.
 
-After every operation the queue must hold exactly the model's free blocks in
-the model's order (every invariant of helpers.check_queue), the other queue
-must be untouched, and ``queue.repairs`` must equal the model's count of the
-misuses injected, per kind. Misuse with no safe repair (popleft beyond the
-count, a non-block in a batch) must still raise and change nothing.
+The valid operations and cursors are test_model.py's. After every operation
+the queue must hold exactly the model's free blocks in the model's order
+(every invariant of helpers.check_queue), the other queue must be untouched,
+and ``queue.repairs`` must equal the model's count of the misuses injected,
+per kind. Misuse with no safe repair (popleft beyond the count, a non-block in
+a batch) must still raise and change nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import check_queue, snapshot
+from helpers import check_queue
+from test_model import Model
 
 from kvqueue import KVCacheBlock
 
@@ -25,8 +27,8 @@ OPERATIONS = 20_000
 KINDS = ("duplicate", "linked", "sentinel", "not_linked", "other_pool")
 
 
-class RepairModel:
-    """The queue as a list, and the repairs it must have counted."""
+class RepairModel(Model):
+    """test_model's list model, and the repairs the queue must have counted."""
 
     def __init__(self, queue_mod: ModuleType, rng: random.Random) -> None:
         self.rng = rng
@@ -34,59 +36,23 @@ class RepairModel:
         self.queue = queue_mod.FreeKVCacheBlockQueue(self.blocks, on_misuse="repair")
         self.free = list(self.blocks)
         self.used: list[Any] = []
+        self.new_cursor()
         # Linked in another queue, of another pool.
         self.foreign = [KVCacheBlock(100 + i, pool="another pool") for i in range(4)]
         self.other = queue_mod.FreeKVCacheBlockQueue(self.foreign, on_misuse="repair")
         self.repairs = dict.fromkeys(KINDS, 0)
 
-    def take(self, k: int) -> list[Any]:
-        return [self.used.pop(self.rng.randrange(len(self.used))) for _ in range(k)]
+    def step(self) -> None:
+        roll = self.rng.random()
+        if roll < 0.15:
+            self.batch(front=roll < 0.05)
+        elif roll < 0.3:
+            self.single_misuse()
+        else:
+            super().step()
 
     def sentinel(self) -> Any:
         return self.rng.choice((self.queue.fake_free_list_head, self.queue.fake_free_list_tail))
-
-    def must_fail(self, exc: type[BaseException], call: Any, *args: Any) -> None:
-        before = snapshot(self.queue, self.blocks)
-        with pytest.raises(exc):
-            call(*args)
-        assert snapshot(self.queue, self.blocks) == before
-
-    def step(self) -> None:
-        rng, queue, free, used = self.rng, self.queue, self.free, self.used
-        op = rng.randrange(12)
-        if op == 0:
-            if free:
-                block = queue.popleft()
-                assert block is free.pop(0)
-                used.append(block)
-            else:
-                self.must_fail(ValueError, queue.popleft)
-        elif op in (1, 2):
-            n = rng.choice([1, 1, 2, 3, 8])
-            if n <= len(free):
-                popped = queue.popleft_n(n)
-                assert all(a is b for a, b in zip(popped, free[:n], strict=True))
-                del free[:n]
-                used.extend(popped)
-            else:
-                self.must_fail(AssertionError, queue.popleft_n, n)
-        elif op == 3 and free:
-            block = free.pop(rng.randrange(len(free)))
-            queue.remove(block)
-            used.append(block)
-        elif op == 4 and used:
-            block = self.take(1)[0]
-            queue.append(block)
-            free.append(block)
-        elif op in (5, 6):
-            self.batch(front=op == 6)
-        elif op in (7, 8):
-            self.single_misuse()
-        elif op == 9 and used:
-            batch = [*used[:2], rng.choice((None, 7, "block"))]
-            if rng.random() < 0.5 and free:  # a repairable misuse first: still refused
-                batch.insert(0, rng.choice(free))
-            self.must_fail(TypeError, queue.append_n, batch)
 
     def batch(self, front: bool) -> None:
         """A batch of freed blocks with misuse mixed in; the model links each
@@ -119,7 +85,7 @@ class RepairModel:
 
     def single_misuse(self) -> None:
         rng, queue = self.rng, self.queue
-        choice = rng.randrange(5)
+        choice = rng.randrange(6)
         if choice == 0 and self.free:
             queue.append(rng.choice(self.free))  # a double free
             self.repairs["linked"] += 1
@@ -135,6 +101,16 @@ class RepairModel:
         elif choice == 4:
             queue.remove(rng.choice(self.foreign))
             self.repairs["other_pool"] += 1
+        elif self.used:
+            # No safe repair: refused whole, even after a repairable misuse.
+            batch = [*self.used[:2], rng.choice((None, 7, "block"))]
+            if rng.random() < 0.5 and self.free:
+                batch.insert(0, rng.choice(self.free))
+            self.must_fail(TypeError, queue.append_n, batch)
+
+    def invalid_call(self) -> None:
+        # test_model's misuse raises under "raise": here it is single_misuse's.
+        self.single_misuse()
 
     def check(self) -> None:
         check_queue(self.queue, self.free, self.blocks)
