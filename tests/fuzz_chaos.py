@@ -8,8 +8,14 @@ iterables that run the queue, corrupt links or mutate the very list being
 consumed; make blocks whose finalizers call back into the queues (with the
 collector running at nearly every allocation); build queues of block classes
 whose constructor calls into half-built queues; and advance ``iter_blocks_after``
-cursors across all of it. The program must end normally: an exception from a
-call is fine, a crash or a hang is not.
+cursors across all of it. Queues are built under both misuse policies (and
+unknown ones); every repair is logged, and its record formatted, so that the
+repr of any block in any state goes through the log. The program must end
+normally: an exception from a call is fine, a crash or a hang is not.
+
+On both twins, a call that changes the links of a queue whose list was well
+formed leaves it well formed, raised or returned, repaired or not, when no
+hook ran during it: a repair never corrupts the list.
 
 On the compiled twin it also checks exception safety on these invalid
 states: a call that raises, while no hook of the program ran during it,
@@ -20,7 +26,10 @@ Usage: python fuzz_chaos.py TWIN SEED OPS
 
 from __future__ import annotations
 
+import copy
 import gc
+import logging
+import pickle
 import random
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -28,14 +37,41 @@ from itertools import islice
 from typing import Any
 
 from blocks import VllmStyleBlock
-from fuzz_common import Stats, main, twin
+from fuzz_common import Stats, main, twin, well_formed
 
-from kvqueue import KVCacheBlock
+from kvqueue import KVCacheBlock, _policy
 
 LINKS = ("prev_free_block", "next_free_block")
 MISSING = object()
 HOOKS = [0]  # bumped whenever a hook of the program runs: snapshots are void then
 STATE: dict[str, Any] = {}  # what the hooks reach: the Chaos object, the batch being consumed
+POLICIES = (None, "raise", "repair", "repair", "bogus")
+# The calls that change their queue's links, by the roll that picks them.
+MUTATORS = ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n")
+
+
+class Formatting(logging.Handler):
+    """Formats every record, as a real handler would, and counts it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.unrenderable = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.format(record)
+        except Exception:
+            # A block whose links the program set to a non-block has a repr
+            # that raises (KVCacheBlock's reads the neighbours' block_id):
+            # that is the block's failure. Any other is the record's own.
+            try:
+                [repr(arg) for arg in record.args or ()]
+            except Exception:
+                self.unrenderable += 1
+                return
+            self.handleError(record)  # writes to stderr: the run fails
+        self.count += 1
 
 
 class Sub(KVCacheBlock):
@@ -136,7 +172,9 @@ class Chaos:
         self.cursors: list[Iterator[Any]] = []
         self.depth = 0
         self.target: Any = None  # the queue of the call being made
-        self.stats = {"ops": 0, "raised": 0, "hooks": 0, "safety_checks": 0}
+        self.method = ""  # the name of the call being made
+        self.argument: Any = None  # the block it is given, if one
+        self.stats = {"ops": 0, "raised": 0, "hooks": 0, "safety_checks": 0, "whole_checks": 0}
         STATE["chaos"] = self
         while len(self.queues) < 3:
             self.new_queue()
@@ -217,14 +255,22 @@ class Chaos:
             block_type = Sneaky
         else:
             block_type = rng.choice((int, object, "x", None, type(self), Loud))
+        on_misuse = rng.choice(POLICIES)
         try:
-            self.queues.append(mod.FreeKVCacheBlockQueue(self.batch(), block_type=block_type))
+            self.queues.append(
+                mod.FreeKVCacheBlockQueue(self.batch(), block_type=block_type, on_misuse=on_misuse)
+            )
         except Exception:
             self.stats["raised"] += 1
         del self.queues[:-5]
 
     def corrupt(self) -> None:
         rng = self.rng
+        if rng.random() < 0.05:  # a count assigned as vLLM's tests do
+            queue = rng.choice(self.queues)
+            with suppress(Exception):
+                queue.num_free_blocks = rng.choice((0, -1, 2**70, queue.num_free_blocks, "1", None))
+            return
         target = self.block()
         name = rng.choice(LINKS)
         if rng.random() < 0.15:
@@ -237,38 +283,50 @@ class Chaos:
         """A random call on a random queue, arguments made before it runs."""
         rng = self.rng
         queue: Any = rng.choice(self.queues)
-        self.target = queue
-        roll = rng.randrange(12)
+        roll = rng.randrange(13)
+        call, argument = self.make_call(queue, roll)
+        # Recorded last: making the arguments can run hooks that make calls too.
+        self.target, self.argument = queue, argument
+        self.method = MUTATORS[roll] if roll < len(MUTATORS) else ""
+        return call
+
+    def make_call(self, queue: Any, roll: int) -> tuple[Callable[[], Any], Any]:
+        """Call number ``roll`` on ``queue``, and the block it is given, if one."""
+        rng = self.rng
         if roll == 0:
-            return lambda: queue.popleft()
+            return lambda: queue.popleft(), None
         if roll == 1:
             n = self.count(queue)
-            return lambda: queue.popleft_n(n)
+            return lambda: queue.popleft_n(n), None
         if roll in (2, 3):
             block = self.thing()
-            method = queue.remove if roll == 2 else queue.append
-            return lambda: method(block)
+            method = getattr(queue, MUTATORS[roll])
+            return lambda: method(block), block
         if roll in (4, 5):
             blocks = self.batch()
-            method = queue.append_n if roll == 4 else queue.prepend_n
-            return lambda: method(blocks)
+            method = getattr(queue, MUTATORS[roll])
+            return lambda: method(blocks), None
         if roll == 6:
-            return lambda: queue.get_all_free_blocks()
+            return lambda: queue.get_all_free_blocks(), None
         if roll == 7:
             start = self.thing() if rng.random() < 0.7 else None
-            return lambda: self.cursors.append(queue.iter_blocks_after(start))
+            return lambda: self.cursors.append(queue.iter_blocks_after(start)), None
         if roll == 8 and self.cursors:
             cursor = rng.choice(self.cursors)
-            return lambda: list(islice(cursor, 5))
+            return lambda: list(islice(cursor, 5)), None
         if roll == 9:
-            return lambda: (len(queue), repr(queue), list(islice(queue, 50)))
+            return lambda: (len(queue), repr(queue), list(islice(queue, 50))), None
         if roll == 10 and self.cursors and self.strict:
             # The cursor type is reachable from Python: build one by hand.
             start = self.thing()
             cursor_type: Any = type(self.cursors[0])
-            return lambda: self.cursors.append(cursor_type(queue, start))
+            return lambda: self.cursors.append(cursor_type(queue, start)), None
+        if roll == 12:
+            thing = rng.choice((queue, self.thing()))
+            copier = rng.choice((copy.copy, copy.deepcopy, pickle.dumps))
+            return lambda: copier(thing), None
         blocks = self.batch()
-        return lambda: type(queue).__new__(type(queue), blocks)
+        return lambda: type(queue).__new__(type(queue), blocks), None
 
     def hook_action(self) -> None:
         """What a hook does while the program's call runs: anything at all."""
@@ -323,12 +381,14 @@ class Chaos:
         del self.blocks[:-60], self.cursors[:-6]
 
     def checked(self, call: Callable[[], Any]) -> None:
-        """Run ``call``; on the compiled twin, a failure must change nothing."""
+        """Run ``call``; on the compiled twin, a failure must change nothing;
+        on both, a list it changes stays whole."""
         hooks = HOOKS[0]
         # The pure twin does not check the links it follows: only the compiled
         # one promises to change nothing when the list is corrupted.
         compiled = self.strict and isinstance(self.target, self.mod.FreeKVCacheBlockQueue)
         before = self.snapshot() if compiled else None
+        whole = self.whole_before()
         try:
             call()
         except Exception:
@@ -338,6 +398,26 @@ class Chaos:
                 if HOOKS[0] == hooks:
                     self.stats["safety_checks"] += 1
                     assert after[0] == before[0], "a failing call changed the state"
+        if whole and HOOKS[0] == hooks:
+            self.stats["whole_checks"] += 1
+            problem = _well_formed(self.target)
+            assert problem is None, f"{self.method}() on a whole list left it: {problem}"
+
+    def whole_before(self) -> bool:
+        """Whether the call about to run must leave its queue's list whole: it
+        is whole now, and the call can only reach that list."""
+        if not self.method or _well_formed(self.target) is not None:
+            return False
+        if self.method != "remove":
+            return True
+        # A block linked elsewhere (or by corrupted links) is taken out of a
+        # list that is not this one's: the documented pool=None limitation.
+        block = self.argument
+        try:
+            links = [getattr(block, name) for name in LINKS]
+        except AttributeError:
+            return True
+        return links == [None, None] or any(b is block for b in _walk(self.target))
 
     def snapshot(self) -> tuple[list[int], list[Any]]:
         """Every count and link the program can see, by identity (``==`` on a
@@ -351,12 +431,37 @@ class Chaos:
         return counts + [id(x) for x in held + links], held + links
 
 
+def _well_formed(queue: Any) -> str | None:
+    """fuzz_common.well_formed, for a list whose links may have been deleted."""
+    try:
+        return well_formed(queue, limit=1000)
+    except AttributeError as exc:
+        return str(exc)
+
+
+def _walk(queue: Any) -> list[Any]:
+    """The blocks of a whole list (see _well_formed), without the queue's iterator."""
+    blocks = []
+    curr = queue.fake_free_list_head.next_free_block
+    while curr is not queue.fake_free_list_tail:
+        blocks.append(curr)
+        curr = curr.next_free_block
+    return blocks
+
+
 def program(twin_name: str, seed: int, ops: int) -> Stats:
+    # Every repair logged (not only the first of each minute) and formatted.
+    _policy._BURST = ops * 1000
+    logger = logging.getLogger("kvqueue")
+    handler = Formatting()
+    logger.addHandler(handler)
     chaos = Chaos(twin_name, seed)
     for _ in range(ops):
         chaos.step()
         chaos.stats["ops"] += 1
     chaos.stats["hooks"] = HOOKS[0]
+    chaos.stats["repairs_logged"] = handler.count
+    chaos.stats["repairs_unrenderable"] = handler.unrenderable
     stats = chaos.stats
     STATE.clear()
     gc.set_threshold(700)

@@ -69,3 +69,5 @@ def test_fuzz_program(program: str, twin: str, seed: int) -> None:
     ops = OPS[program] * (7 if LONG else 1)
     stats = run_program(program, twin, seed, ops)
     assert stats["ops"] == ops
+    if program == "fuzz_chaos":  # the repair paths ran, and their log
+        assert stats["repairs_logged"] > 0
