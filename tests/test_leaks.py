@@ -13,6 +13,7 @@ issue's full sizes (a million cycles, a thousand queues) on both twins.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 import tracemalloc
@@ -123,6 +124,63 @@ def test_allocate_free_cycles_leave_counts_flat(queue_mod: ModuleType) -> None:
 @pytest.mark.usefixtures("traced")
 def test_allocate_free_cycles_leave_traced_memory_flat(queue_mod: ModuleType) -> None:
     _run_cycles(queue_mod, _cycles(_twin_name(queue_mod), traced=True))
+
+
+class _Formatted(logging.Handler):
+    """Formats each repair record (its block's repr included) and drops it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.format(record)
+
+
+@pytest.fixture
+def repair_records_dropped() -> Iterator[None]:
+    # Not propagated: the test run's log capture would keep every record.
+    logger = logging.getLogger("kvqueue")
+    handler = _Formatted()
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+
+
+def _repair(queue: Any, stranger: Any, cycles: int) -> None:
+    """An engine's double-free bug in a hot loop, under "repair": a repair of
+    every kind, five a cycle (the log is rate-limited; the counters are not)."""
+    head = queue.fake_free_list_head
+    for _ in range(cycles):
+        freed = queue.popleft()
+        queue.remove(freed)  # not linked
+        queue.append_n([freed, freed])  # a duplicate
+        queue.append(freed)  # a double free
+        queue.prepend_n([head])  # a sentinel
+        queue.remove(stranger)  # another pool's block
+
+
+def _run_repairs(queue_mod: ModuleType, cycles: int) -> None:
+    pool = object()
+    blocks = [KVCacheBlock(i, pool=pool) for i in range(64)]
+    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+    stranger = KVCacheBlock(99, pool=object())
+    _repair(queue, stranger, 2000)  # warm up
+    before = _measure()
+    _repair(queue, stranger, cycles)
+    _assert_flat(before, _measure())
+    assert set(queue.repairs.values()) == {2000 + cycles}
+    assert sorted(b.block_id for b in queue.get_all_free_blocks()) == list(range(64))
+
+
+@pytest.mark.usefixtures("repair_records_dropped")
+def test_repairs_leave_counts_flat(queue_mod: ModuleType) -> None:
+    _run_repairs(queue_mod, 200_000 if LONG else 20_000)  # 100,000 repairs
+
+
+@pytest.mark.usefixtures("repair_records_dropped", "traced")
+def test_repairs_leave_traced_memory_flat(queue_mod: ModuleType) -> None:
+    _run_repairs(queue_mod, 200_000 if LONG else 5_000)
 
 
 def _build_and_drop(queue_mod: ModuleType, count: int) -> None:
