@@ -583,7 +583,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             self._read(b, P)
             self._read(b, N)
             if self._repair and not screened:
-                return self._link_repaired(method, left, right, seq)
+                return self._link_repaired(method, seq)
             raise _errors.already_linked(
                 method, block, seq, i, (self.fake_free_list_head, self.fake_free_list_tail)
             )
@@ -593,7 +593,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         self._set_count(self._num + n, num_obj)
         return 0
 
-    cdef int _link_repaired(self, str method, object left, object right, object seq) except -1:
+    cdef int _link_repaired(self, str method, object seq) except -1:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
 
         Raises TypeError, with nothing linked, if the batch holds a non-block.
@@ -619,7 +619,20 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
                 seen.add(id(block))
                 good.append(block)
         if good:
-            self._link(method, left, right, good, len(good), True)
+            # Read the ends only now: a finalizer run by the allocations above
+            # may have moved them.
+            head = self.fake_free_list_head
+            tail = self.fake_free_list_tail
+            if method == "prepend_n":
+                first = <object>self._follow(<PyObject *>head, self._next, "prepend_n()")
+                if first is None:
+                    raise AssertionError(_errors.HEAD_LOST)
+                self._link(method, head, first, good, len(good), True)
+            else:
+                last = <object>self._follow(<PyObject *>tail, self._prev, f"{method}()")
+                if last is None:
+                    raise AssertionError(_errors.TAIL_LOST)
+                self._link(method, last, tail, good, len(good), True)
         for block, kind in skipped:
             self._misuse(method, block, kind, None)
         return 0
@@ -681,6 +694,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         return self._num
 
     def __reduce_ex__(self, protocol, /):
+        """Refuse: copy, deepcopy and pickle raise TypeError (a copy would share the links)."""
         raise TypeError(_errors.UNCOPYABLE)
 
     def __repr__(self):

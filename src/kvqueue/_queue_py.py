@@ -160,7 +160,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """How many misuses of each kind this queue repaired (a new dict)."""
         return dict(self._repairs)
 
-    def popleft(self) -> B:
+    def popleft(self, /) -> B:
         """Pop the first free block. O(1).
 
         Raises ValueError when the queue is empty.
@@ -360,12 +360,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if type(block) is not block_type and not is_subtype(type(block), block_type):
             raise _errors.not_a_block(block, block_type, f"{method}()")
         if self._on_misuse == "repair" and not screened:
-            return self._link_repaired(method, left, right, blocks)
+            return self._link_repaired(method, blocks)
         raise _errors.already_linked(method, block, blocks, position, (self._head, self._tail))
 
-    def _link_repaired(
-        self, method: str, left: Any, right: Any, blocks: tuple[B, ...] | list[B]
-    ) -> None:
+    def _link_repaired(self, method: str, blocks: tuple[B, ...] | list[B]) -> None:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
 
         Raises TypeError, with nothing linked, if the batch holds a non-block.
@@ -388,7 +386,14 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 seen.add(id(block))
                 good.append(block)
         if good:
-            self._link(method, left, right, good, screened=True)
+            # The ends as they are now, as the compiled twin reads them (there,
+            # a finalizer run by the screening's allocations may move them).
+            head: Any = self._head
+            tail: Any = self._tail
+            if method == "prepend_n":
+                self._link(method, head, head.next_free_block, good, screened=True)
+            else:
+                self._link(method, tail.prev_free_block, tail, good, screened=True)
         for block, kind in skipped:
             self._misuse(method, block, kind, None)
 
@@ -400,7 +405,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._repairs[kind] = count
         _policy.report(method, block, kind, count)
 
-    def get_all_free_blocks(self) -> list[B]:
+    def get_all_free_blocks(self, /) -> list[B]:
         """All free blocks in eviction order (a snapshot). O(n).
 
         Raises RuntimeError if the list is corrupted (longer than its count).
@@ -446,6 +451,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         return self._num_free_blocks
 
     def __reduce_ex__(self, protocol: object, /) -> NoReturn:
+        """Refuse: copy, deepcopy and pickle raise TypeError (a copy would share the links)."""
         raise TypeError(_errors.UNCOPYABLE)
 
     def __repr__(self) -> str:
