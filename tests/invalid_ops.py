@@ -141,6 +141,12 @@ def append_tail(mod: ModuleType) -> Any:
     return queue, blocks, lambda: queue.append(queue.fake_free_list_tail)
 
 
+def append_sentinel_of_another_queue(mod: ModuleType) -> Any:
+    queue, blocks = _queue(mod)
+    other, others = _queue(mod)
+    return queue, blocks + others, lambda: queue.append(other.fake_free_list_tail)
+
+
 def append_int(mod: ModuleType) -> Any:
     queue, blocks = _queue(mod)
     return queue, blocks, lambda: queue.append(5)
@@ -284,6 +290,12 @@ def construct_over_linked_block(mod: ModuleType) -> Any:
     return queue, [*blocks, fresh], lambda: mod.FreeKVCacheBlockQueue([fresh, blocks[0]])
 
 
+def construct_with_duplicate(mod: ModuleType) -> Any:
+    queue, blocks = _queue(mod)
+    fresh = [KVCacheBlock(7), KVCacheBlock(8)]
+    return queue, blocks + fresh, lambda: mod.FreeKVCacheBlockQueue([*fresh, fresh[0]])
+
+
 def construct_with_mixed_classes(mod: ModuleType) -> Any:
     queue, _ = _queue(mod)
     fresh = KVCacheBlock(7)
@@ -389,6 +401,14 @@ CASES: dict[str, tuple[Setup, Expected]] = {
             ValueError,
             "append() " + SENTINEL + _repr(-1, 2, None),
             repair=Repair("append", {"sentinel": 1}, (0, 1, 2)),
+        ),
+    ),
+    "append_sentinel_of_another_queue": (
+        append_sentinel_of_another_queue,
+        Expected(
+            ValueError,
+            "append() " + LINKED + _repr(-1, 2, None),
+            repair=Repair("append", {"linked": 1}, (0, 1, 2)),
         ),
     ),
     "append_int": (append_int, Expected(TypeError, "append(): expected a KVCacheBlock, got int 5")),
@@ -518,6 +538,14 @@ CASES: dict[str, tuple[Setup, Expected]] = {
             ValueError,
             "FreeKVCacheBlockQueue() " + LINKED + _repr(0, -1, 1),
             repair=Repair("FreeKVCacheBlockQueue", {"linked": 1}, (3,)),
+        ),
+    ),
+    "construct_with_duplicate": (
+        construct_with_duplicate,
+        Expected(
+            ValueError,
+            "FreeKVCacheBlockQueue() " + TWICE + _repr(7),
+            repair=Repair("FreeKVCacheBlockQueue", {"duplicate": 1}, (3, 4)),
         ),
     ),
     "construct_with_mixed_classes": (
