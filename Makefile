@@ -11,7 +11,7 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
 
-.PHONY: test bench bench-engine engine-check lint memcheck clean
+.PHONY: test bench bench-engine engine-check lint memcheck py314 clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench-engine: engine-check
 # The compiled twin under AddressSanitizer and valgrind (MEMCHECK_ARGS=--full: whole suite).
 memcheck: $(VENV)/.ready
 	bash tools/memcheck.sh $(MEMCHECK_ARGS)
+
+# The wheel, the whole suite and bench --quick on Debian unstable's CPython 3.14 (root only).
+py314:
+	bash .ci/py314.sh
 
 clean:
 	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_queue.h
