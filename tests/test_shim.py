@@ -25,12 +25,17 @@ sys.meta_path.insert(0, Refuse())
 
 
 def run(code: str, **env: str) -> str:
+    return run_both(code, **env)[0]
+
+
+def run_both(code: str, **env: str) -> tuple[str, str]:
+    """The stripped stdout and stderr of ``code`` in a fresh interpreter."""
     environ = {k: v for k, v in os.environ.items() if k != "KVQUEUE_PURE"}
     environ.update(env)
     done = subprocess.run(
         [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
     )
-    return done.stdout.strip()
+    return done.stdout.strip(), done.stderr.strip()
 
 
 @pytest.mark.c_extension
@@ -48,8 +53,18 @@ def test_pure_twin_on_request() -> None:
     assert run(PROBE, KVQUEUE_PURE="1") == "python kvqueue._queue_py"
 
 
-def test_missing_extension_falls_back() -> None:
-    assert run(NO_EXTENSION) == "python kvqueue._queue_py"
+def test_missing_extension_falls_back_with_a_warning() -> None:
+    out, err = run_both(NO_EXTENSION)
+    assert out == "python kvqueue._queue_py"
+    assert (
+        "RuntimeWarning: kvqueue: the compiled queue is not available (no compiled twin here)"
+        in err
+    )
+    assert "Set KVQUEUE_PURE=1" in err
+
+
+def test_chosen_pure_twin_is_silent() -> None:
+    assert run_both(NO_EXTENSION, KVQUEUE_PURE="1") == ("python kvqueue._queue_py", "")
 
 
 # What importing the compiled twin does on a free-threaded CPython under -W error.

@@ -28,9 +28,23 @@ else:
         from ._queue import FreeKVCacheBlockQueue
 
         IMPLEMENTATION = "cython"
-    except (ImportError, RuntimeWarning):
-        # RuntimeWarning: a free-threaded CPython run with -W error refuses to
-        # re-enable the GIL for the compiled twin; the pure one needs no GIL.
+    except ImportError as exc:
+        # pip hides the build's own warning that the extension failed to
+        # compile: this is where a user of such an install learns of it.
+        import warnings
+
+        warnings.warn(
+            f"kvqueue: the compiled queue is not available ({exc}); using the pure-Python "
+            "twin, whose calls are slower. Set KVQUEUE_PURE=1 to choose it and silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        from ._queue_py import FreeKVCacheBlockQueue
+
+        IMPLEMENTATION = "python"
+    except RuntimeWarning:
+        # A free-threaded CPython run with -W error refuses to re-enable the
+        # GIL for the compiled twin; the pure one needs no GIL.
         from ._queue_py import FreeKVCacheBlockQueue
 
         IMPLEMENTATION = "python"
