@@ -11,7 +11,7 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
 
-.PHONY: test bench bench-engine engine-check lint memcheck py314 clean
+.PHONY: test bench bench-engine bench-scheduler engine-check lint memcheck py314 clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ engine-check: $(BENCH_VENV)/.ready
 # The same pool timed, once per queue, after the check.
 bench-engine: engine-check
 	$(BENCH_PY) bench/engine.py $(BENCH_ARGS)
+
+# vLLM 0.33.0's own Scheduler on the CPU, once per queue, in the vLLM venv of
+# vllm_tests/venv.sh (built once, kvqueue reinstalled when its sources change).
+bench-scheduler:
+	venv=$$(bash vllm_tests/venv.sh) && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
 
 # The compiled twin under AddressSanitizer and valgrind (MEMCHECK_ARGS=--full: whole suite).
 memcheck: $(VENV)/.ready

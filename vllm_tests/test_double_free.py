@@ -33,7 +33,8 @@ from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 NUM_BLOCKS = 8  # the null block, and 7 a request can get
-KVQUEUE = ("cython", "python")
+KVQUEUE = ["cython", "python"]
+MODULES = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
 
 
 @contextmanager
@@ -66,7 +67,7 @@ def new_pool(
     if kind == "vllm":
         assert type(queue) is kv_cache_utils.FreeKVCacheBlockQueue
     else:
-        assert type(queue).__module__ == {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}[kind]
+        assert type(queue).__module__ == MODULES[kind]
         if policy is not None:
             if not hasattr(queue, "on_misuse"):
                 pytest.skip("this kvqueue has no misuse policy")
@@ -181,7 +182,7 @@ def test_kvqueue_raise_is_the_default_and_explicit(kind, monkeypatch):
 # -- the other pool entry that links blocks: unpin_blocks (vLLM 0.33, HiSparse) ------------
 
 
-@pytest.mark.parametrize("kind", ("vllm", *KVQUEUE))
+@pytest.mark.parametrize("kind", ["vllm", *KVQUEUE])
 def test_unpin_after_free_links_the_block_twice(kind, monkeypatch):
     pool = new_pool(kind, None, monkeypatch)
     blocks = pool.get_new_blocks(3)
@@ -200,7 +201,7 @@ def test_unpin_after_free_links_the_block_twice(kind, monkeypatch):
 # -- a consequence: reset_prefix_cache trusts the count ----------------------------------
 
 
-@pytest.mark.parametrize("kind", ("vllm", *KVQUEUE))
+@pytest.mark.parametrize("kind", ["vllm", *KVQUEUE])
 def test_reset_prefix_cache_after_a_double_free(kind, monkeypatch):
     """With an inflated count, vLLM resets the prefix cache while a request holds a block."""
     pool = new_pool(kind, None, monkeypatch)
@@ -220,7 +221,7 @@ def test_reset_prefix_cache_after_a_double_free(kind, monkeypatch):
 # -- what no queue can see: a duplicate inside one free_blocks call --------------------------
 
 
-@pytest.mark.parametrize("kind", ("vllm", *KVQUEUE))
+@pytest.mark.parametrize("kind", ["vllm", *KVQUEUE])
 def test_duplicate_in_one_call_leaves_a_negative_count_no_queue_sees(kind, monkeypatch):
     """vLLM decrements per occurrence and links at 0 only, so the queue gets the block once
     and is never misused; but ``ref_cnt`` ends at -1, a later prefix hit (``touch``) takes
@@ -245,7 +246,7 @@ def test_duplicate_in_one_call_leaves_a_negative_count_no_queue_sees(kind, monke
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_repair_skips_the_second_free(kind, monkeypatch):
     pool = new_pool(kind, "repair", monkeypatch)
-    blocks, second_free = double_free(pool)
+    _, second_free = double_free(pool)
     second_free()
     assert pool.free_block_queue.repairs["linked"] == 1
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 2
@@ -275,7 +276,9 @@ def test_repair_under_load_never_hands_a_block_to_two_requests(kind, seed, monke
                 assert not holder.get(block.block_id), f"block {block.block_id} handed out twice"
                 if rng.random() < 0.5:  # a full block, cached: freed to the queue's tail
                     block_hash = kv_cache_utils.BlockHash(rng.randbytes(8))
-                    block.set_block_hash(kv_cache_utils.make_block_hash_with_group_id(block_hash, 0))
+                    block.set_block_hash(
+                        kv_cache_utils.make_block_hash_with_group_id(block_hash, 0)
+                    )
             held[step] = blocks
         elif action < 0.45 and held:
             # A prefix hit: a block some request holds, or a free one (the middle of the queue).
