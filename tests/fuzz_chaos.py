@@ -45,7 +45,7 @@ LINKS = ("prev_free_block", "next_free_block")
 MISSING = object()
 HOOKS = [0]  # bumped whenever a hook of the program runs: snapshots are void then
 STATE: dict[str, Any] = {}  # what the hooks reach: the Chaos object, the batch being consumed
-POLICIES = (None, "raise", "repair", "repair", "bogus")
+POLICIES = (None, "raise", "repair", "repair", "repair", "bogus")
 # The calls that change their queue's links, by the roll that picks them.
 MUTATORS = ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n")
 
