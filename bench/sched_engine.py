@@ -194,7 +194,7 @@ class Driver:
         step = repr(
             (
                 new,
-                list(zip(cached.req_ids, cached.new_block_ids)),
+                list(zip(cached.req_ids, cached.new_block_ids, strict=True)),
                 sorted(out.num_scheduled_tokens.items()),
                 preempted,
                 finished,

@@ -51,9 +51,12 @@ class Sampler:
         kind = self._file_kind.get(filename, "")
         if kind == "":
             name = Path(filename).name
-            kind = "pool" if name == "block_pool.py" else "kv_manager" if (
-                name in _MANAGER_FILES
-            ) else None
+            if name == "block_pool.py":
+                kind = "pool"
+            elif name in _MANAGER_FILES:
+                kind = "kv_manager"
+            else:
+                kind = None
             self._file_kind[filename] = kind
         return kind
 

@@ -124,7 +124,10 @@ def make_workload(w: Workload) -> list[Spec]:
             if specs and rng.random() < w.followup_fraction:
                 previous = rng.choice(specs[-w.followup_window :])
                 conversation = previous.prompt + previous.output
-                if len(conversation) + w.tail_tokens[1] + w.output_tokens[1] <= w.max_context_tokens:
+                if (
+                    len(conversation) + w.tail_tokens[1] + w.output_tokens[1]
+                    <= w.max_context_tokens
+                ):
                     prefix = conversation
             if not prefix and rng.random() < w.shared_fraction:
                 prefix = rng.choices(system_prompts, weights)[0]

@@ -57,8 +57,9 @@ SAMPLE_INTERVAL_S = 0.001
 
 def use(name: str) -> type:
     """Bind vLLM's pool to contender ``name``'s queue; return the queue class."""
-    import kvqueue.vllm
     from vllm.v1.core import block_pool
+
+    import kvqueue.vllm
 
     if name == REFERENCE:
         kvqueue.vllm.uninstall()
@@ -82,6 +83,19 @@ def timed_run(driver: Any, w: Any) -> float:
         return float(driver.run(w.steps - w.warmup_steps, CLOCK))
     finally:
         gc.enable()
+
+
+def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: int) -> float:
+    """One timed run on contender ``name``'s queue; it must schedule what vLLM's queue did."""
+    import sched_engine
+
+    queue_class = use(name)
+    driver = sched_engine.Driver(factory, specs)
+    assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is queue_class, name
+    elapsed = timed_run(driver, w)
+    if driver.fingerprint != reference:
+        raise SystemExit(f"{name}: the schedule differs from the one on vLLM's own queue")
+    return elapsed
 
 
 def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]:
@@ -118,8 +132,13 @@ def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]
         calls[op] = calls.get(op, 0) + 1
         if op == "popleft_n":
             calls["blocks_allocated"] = calls.get("blocks_allocated", 0) + arg
-    return {"log": log, "mark": mark, "counters": counters, "queue_calls": calls,
-            "fingerprint": driver.fingerprint}
+    return {
+        "log": log,
+        "mark": mark,
+        "counters": counters,
+        "queue_calls": calls,
+        "fingerprint": driver.fingerprint,
+    }
 
 
 def sampled_shares(driver: Any, w: Any, queue_classes: list[type]) -> dict[str, int]:
@@ -146,10 +165,11 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     cpu = pin(job.get("cpu"))
     import engine_trace
-    import kvqueue._queue_py
     import sched_engine
     import sched_workload
     from vllm.v1.core import kv_cache_utils
+
+    import kvqueue._queue_py
 
     rng = random.Random(job["seed"])
     model = sched_engine.model_dir()
@@ -166,24 +186,13 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         queues = {name: use(name) for name in CONTENDERS}
         contenders = list(CONTENDERS)
 
-        def run_once(name: str) -> float:
-            queue_class = use(name)
-            driver = sched_engine.Driver(factory, specs)
-            assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is (
-                queue_class
-            ), name
-            elapsed = timed_run(driver, w)
-            if driver.fingerprint != reference:
-                raise SystemExit(f"{name}: the schedule differs from vLLM's own queue's")
-            return elapsed
-
         for name in contenders:  # untimed: every contender's code and data warm
-            run_once(name)
+            run_contender(name, factory, specs, w, reference)
         steps: dict[str, list[float]] = {n: [] for n in CONTENDERS}
         for _ in range(job["reps"]):
             rng.shuffle(contenders)
             for name in contenders:
-                steps[name].append(run_once(name))
+                steps[name].append(run_contender(name, factory, specs, w, reference))
         queue: dict[str, list[float]] = {n: [] for n in CONTENDERS}
         for _ in range(job["reps"]):
             rng.shuffle(contenders)
@@ -268,8 +277,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sample_interval_s": SAMPLE_INTERVAL_S,
         },
         "loadavg": os.getloadavg(),
+        "kvqueue_sources": _kvqueue_stamp(),
         "records": records,
     }
+
+
+def _kvqueue_stamp() -> str:
+    """The hash of the kvqueue sources vllm_tests/venv.sh last installed here, if it did."""
+    stamp = Path(sys.prefix) / ".kvqueue-src"
+    return stamp.read_text().strip() if stamp.exists() else "unknown"
 
 
 def _vllm_version() -> str:
@@ -340,9 +356,7 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     ]
     for wname, t in summary.items():
         for name, row in t["rows"].items():
-            sampled_queue = (
-                "-" if name == "cython" else f"{row['sampled_queue_share'] * 100:.1f}%"
-            )
+            sampled_queue = "-" if name == "cython" else f"{row['sampled_queue_share'] * 100:.1f}%"
             lines.append(
                 f"| {wname} | {name} | {row['us_per_step']:.0f} | {_fmt(row['step_ratio'])} | "
                 f"{row['queue_us_per_step']:.2f} | {row['queue_share'][0] * 100:.2f}% | "
@@ -362,7 +376,9 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
             f"finished, {c['preempted'] / n:.3f} preempted; "
             f"{q.get('blocks_allocated', 0) / n:.1f} blocks allocated "
             f"({c['evicted_blocks'] / n:.1f} evicted from the prefix cache); queue calls "
-            + ", ".join(f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op != "blocks_allocated")
+            + ", ".join(
+                f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op != "blocks_allocated"
+            )
             + f"; {ticks} sampled ticks in steps (vllm)."
         )
     lines += [
