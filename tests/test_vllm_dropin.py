@@ -84,7 +84,12 @@ class FakeVllm:
         exec(compile(POOL_SOURCE, "<fake block_pool>", "exec"), self.pool.__dict__)
 
     def bindings(self) -> tuple[Any, Any]:
-        return self.utils.FreeKVCacheBlockQueue, self.pool.FreeKVCacheBlockQueue
+        """The queue class that each module's name builds."""
+        return _builds(self.utils.FreeKVCacheBlockQueue), _builds(self.pool.FreeKVCacheBlockQueue)
+
+
+def _builds(name: Any) -> Any:
+    return name.queue_class if isinstance(name, kv_vllm._QueueName) else name
 
 
 @pytest.fixture(autouse=True)
@@ -202,7 +207,7 @@ def test_patches_other_loaded_importers(fake: FakeVllm, monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, other.__name__, other)
     monkeypatch.setitem(sys.modules, unrelated.__name__, unrelated)
     queue_class = kv_vllm.install("python")
-    assert other.FreeKVCacheBlockQueue is queue_class
+    assert _builds(other.FreeKVCacheBlockQueue) is queue_class
     assert unrelated.FreeKVCacheBlockQueue is VllmQueue
     kv_vllm.uninstall()
     assert other.FreeKVCacheBlockQueue is VllmQueue
@@ -340,3 +345,90 @@ def test_no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ImportError):
         kv_vllm.install("python")
     assert kv_vllm.installed() is None
+
+
+def test_empty_queue_threads_vllms_block(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    # vLLM's test_free_kv_cache_block_queue_append_n: an empty queue, then vLLM's blocks.
+    kv_vllm.install(_implementation(queue_mod))
+    queue = fake.utils.FreeKVCacheBlockQueue([])
+    assert type(queue) is queue_mod.FreeKVCacheBlockQueue
+    assert queue.block_type is VllmStyleBlock
+    blocks = [VllmStyleBlock(i) for i in range(3)]
+    queue.append_n(blocks)
+    assert queue.get_all_free_blocks() == blocks
+    # Also from an empty iterator, and an explicit block_type still wins.
+    assert fake.pool.FreeKVCacheBlockQueue(iter(())).block_type is VllmStyleBlock
+    own = fake.utils.FreeKVCacheBlockQueue([], block_type=kvqueue.KVCacheBlock)
+    assert own.block_type is kvqueue.KVCacheBlock
+    # kvqueue's own name keeps kvqueue's default.
+    assert queue_mod.FreeKVCacheBlockQueue([]).block_type is kvqueue.KVCacheBlock
+
+
+def test_the_bound_name_looks_like_the_class(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    queue_class: Any = kv_vllm.install(_implementation(queue_mod))
+    name = fake.pool.FreeKVCacheBlockQueue
+    pool = fake.pool.BlockPool(4)
+    assert isinstance(pool.free_block_queue, name)
+    assert issubclass(queue_class, name)
+    assert not isinstance(VllmQueue([]), name)
+    assert name.popleft is queue_class.popleft
+    assert name.__name__ == "FreeKVCacheBlockQueue"
+
+
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_install_policy(fake: FakeVllm, queue_mod: ModuleType, policy: str) -> None:
+    kv_vllm.install(_implementation(queue_mod), on_misuse=policy)  # type: ignore[arg-type]
+    assert kv_vllm.installed_policy() == policy
+    pool = fake.pool.BlockPool(4)
+    assert pool.free_block_queue.on_misuse == policy
+    block = pool.free_block_queue.popleft()
+    pool.free_block_queue.append(block)
+    if policy == "repair":
+        pool.free_block_queue.append(block)
+        assert pool.free_block_queue.repairs["linked"] == 1
+    else:
+        with pytest.raises(ValueError, match="linked"):
+            pool.free_block_queue.append(block)
+    assert pool.free_block_queue.num_free_blocks == 3
+    other = "raise" if policy == "repair" else "repair"
+    explicit = fake.utils.FreeKVCacheBlockQueue([], on_misuse=other)
+    assert explicit.on_misuse == other
+
+
+def test_install_policy_none_reads_the_environment(
+    fake: FakeVllm, queue_mod: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv_vllm.install(_implementation(queue_mod))
+    assert kv_vllm.installed_policy() is None
+    monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
+    assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "repair"
+    monkeypatch.setenv("KVQUEUE_ON_MISUSE", "raise")
+    assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "raise"
+
+
+def test_install_policy_switches_and_restores(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    impl = _implementation(queue_mod)
+    kv_vllm.install(impl, on_misuse="raise")
+    with kv_vllm.patched(impl, on_misuse="repair"):
+        assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "repair"
+    assert kv_vllm.installed_policy() == "raise"
+    assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "raise"
+    kv_vllm.uninstall()
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+
+
+def test_install_policy_refused(fake: FakeVllm) -> None:
+    with pytest.raises(ValueError, match="on_misuse"):
+        kv_vllm.install("python", on_misuse="ignore")  # type: ignore[arg-type]
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+    assert kv_vllm.installed() is None
+
+
+def test_full_cache_faked_through_the_pool(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    # vLLM's connector tests: free_block_queue.num_free_blocks = 0 fakes a full cache.
+    kv_vllm.install(_implementation(queue_mod))
+    queue = fake.pool.BlockPool(5).free_block_queue
+    queue.num_free_blocks = 0
+    assert queue.num_free_blocks == 0
+    queue.append(queue.popleft())
+    assert queue.num_free_blocks == 0

@@ -3,9 +3,12 @@
 vLLM's ``BlockPool`` builds its free list with the name ``FreeKVCacheBlockQueue``
 that ``vllm.v1.core.block_pool`` imports from ``vllm.v1.core.kv_cache_utils``.
 :func:`install` rebinds that name, in both modules (and in any other loaded
-``vllm.*`` module that imported it), to kvqueue's ``FreeKVCacheBlockQueue``.
-vLLM's own ``KVCacheBlock`` is left unchanged: the queue threads the blocks it
-is built from, whatever their class. Pools built after :func:`install` use
+``vllm.*`` module that imported it), to a stand-in class whose call builds kvqueue's
+``FreeKVCacheBlockQueue`` (``isinstance`` against the name still holds). vLLM's own
+``KVCacheBlock`` is left unchanged: the queue threads the blocks it is built from,
+and an empty queue built through the name threads vLLM's ``KVCacheBlock`` (kvqueue's
+own default is ``kvqueue.KVCacheBlock``). Queues built through the name get the
+``on_misuse`` policy given to :func:`install`. Pools built after :func:`install` use
 kvqueue; pools built before keep the queue they have.
 
 Before it patches anything, :func:`install` checks the installed vLLM: its
@@ -33,6 +36,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
+from . import _policy
 from ._block import check_block_type
 
 __all__ = (
@@ -40,6 +44,7 @@ __all__ = (
     "VLLMLayoutError",
     "install",
     "installed",
+    "installed_policy",
     "patched",
     "uninstall",
 )
@@ -71,10 +76,65 @@ class VLLMLayoutError(RuntimeError):
     """The installed vLLM is not one kvqueue knows how to patch; nothing was changed."""
 
 
+class _QueueName(type):
+    """The metaclass of what vLLM's ``FreeKVCacheBlockQueue`` name is bound to by install().
+
+    A class rather than a function, so that ``isinstance(queue, FreeKVCacheBlockQueue)``
+    and attribute look-ups (``FreeKVCacheBlockQueue.popleft``) in vLLM's code keep working.
+    """
+
+    queue_class: type
+    block_type: type
+    on_misuse: _policy.MisusePolicy | None
+
+    def __call__(
+        cls,
+        blocks: Any,
+        *,
+        block_type: type | None = None,
+        on_misuse: _policy.MisusePolicy | None = None,
+    ) -> Any:
+        """kvqueue's queue of ``blocks``; O(len(blocks)). Raises as its constructor does."""
+        if block_type is None:
+            if not isinstance(blocks, (list, tuple)):
+                blocks = list(blocks)
+            if not blocks:
+                block_type = cls.block_type
+        if on_misuse is None:
+            on_misuse = cls.on_misuse
+        return cls.queue_class(blocks, block_type=block_type, on_misuse=on_misuse)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, cls.queue_class)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, cls.queue_class)
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(cls.queue_class, name)
+
+
+def _queue_name(
+    queue_class: type, block_type: type, on_misuse: _policy.MisusePolicy | None
+) -> _QueueName:
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": _NAME,
+        "__doc__": f"Builds {queue_class.__module__}.{queue_class.__qualname__} for vLLM.",
+        "queue_class": queue_class,
+        "block_type": block_type,
+        "on_misuse": on_misuse,
+    }
+    return _QueueName(_NAME, (), namespace)
+
+
 @dataclasses.dataclass
 class _Installed:
     implementation: str
     queue_class: type
+    on_misuse: _policy.MisusePolicy | None
+    # What the modules' FreeKVCacheBlockQueue name is bound to now.
+    bound: _QueueName
     # Every (module, original value) whose FreeKVCacheBlockQueue name was rebound.
     originals: list[tuple[ModuleType, Any]]
 
@@ -83,27 +143,41 @@ _lock = threading.RLock()
 _state: _Installed | None = None
 
 
-def install(implementation: Implementation = "auto", *, check_version: bool = True) -> type:
+def install(
+    implementation: Implementation = "auto",
+    *,
+    check_version: bool = True,
+    on_misuse: _policy.MisusePolicy | None = None,
+) -> type:
     """Make vLLM's block pools use kvqueue's ``FreeKVCacheBlockQueue``; return that class.
 
     ``implementation`` is ``"auto"`` (whatever ``import kvqueue`` picked), ``"cython"`` or
-    ``"python"``. Calling it again is a no-op, or switches the implementation.
+    ``"python"``. ``on_misuse`` (``"raise"``, ``"repair"`` or None) is passed to every
+    queue built through vLLM's name, unless the caller passes its own; None leaves the
+    choice to ``KVQUEUE_ON_MISUSE``, read when each queue is built. Calling it again is a
+    no-op, or switches the implementation and the policy.
     ``check_version=False`` skips the version check only; the block layout is always checked.
 
     Raises :class:`VLLMLayoutError` on a vLLM it does not know, ``ImportError`` when vLLM
-    (or the requested implementation) cannot be imported.
+    (or the requested implementation) cannot be imported, ValueError for an unknown
+    ``implementation`` or ``on_misuse``.
     """
     global _state
+    if on_misuse is not None:
+        on_misuse = _policy.resolve(on_misuse)
     queue_class, name = _queue_class(implementation)
     with _lock:
         if _state is not None:
-            if _state.queue_class is queue_class:
+            if _state.queue_class is queue_class and _state.on_misuse == on_misuse:
                 return queue_class
+            bound = _queue_name(queue_class, _state.bound.block_type, on_misuse)
             for module, _original in _state.originals:
-                if getattr(module, _NAME, None) is _state.queue_class:
-                    setattr(module, _NAME, queue_class)
+                if getattr(module, _NAME, None) is _state.bound:
+                    setattr(module, _NAME, bound)
             _state.queue_class = queue_class
             _state.implementation = name
+            _state.on_misuse = on_misuse
+            _state.bound = bound
             return queue_class
 
         vllm = importlib.import_module("vllm")
@@ -113,7 +187,8 @@ def install(implementation: Implementation = "auto", *, check_version: bool = Tr
         original = getattr(utils, _NAME, None)
         if not isinstance(original, type):
             raise VLLMLayoutError(f"{_UTILS} defines no {_NAME} class")
-        _check_block_class(getattr(utils, "KVCacheBlock", None))
+        block_class = getattr(utils, "KVCacheBlock", None)
+        _check_block_class(block_class)
         _check_queue_api(original, queue_class)
         # Importing the pool binds its own name to vLLM's class; that is the one used.
         pool = importlib.import_module(_POOL)
@@ -133,9 +208,11 @@ def install(implementation: Implementation = "auto", *, check_version: bool = Tr
             and getattr(module, _NAME, None) is original
         ]
         originals = [(module, original) for module in modules]
+        assert isinstance(block_class, type)
+        bound = _queue_name(queue_class, block_class, on_misuse)
         for module in modules:
-            setattr(module, _NAME, queue_class)
-        _state = _Installed(name, queue_class, originals)
+            setattr(module, _NAME, bound)
+        _state = _Installed(name, queue_class, on_misuse, bound, originals)
         return queue_class
 
 
@@ -150,7 +227,7 @@ def uninstall() -> bool:
         if _state is None:
             return False
         for module, original in _state.originals:
-            if getattr(module, _NAME, None) is _state.queue_class:
+            if getattr(module, _NAME, None) is _state.bound:
                 setattr(module, _NAME, original)
         _state = None
         return True
@@ -162,18 +239,26 @@ def installed() -> str | None:
         return None if _state is None else _state.implementation
 
 
+def installed_policy() -> _policy.MisusePolicy | None:
+    """The ``on_misuse`` given to :func:`install`; None: the environment decides, or none."""
+    with _lock:
+        return None if _state is None else _state.on_misuse
+
+
 @contextmanager
-def patched(implementation: Implementation = "auto") -> Iterator[type]:
+def patched(
+    implementation: Implementation = "auto", *, on_misuse: _policy.MisusePolicy | None = None
+) -> Iterator[type]:
     """``with kvqueue.vllm.patched():`` install for the block only (if not installed before)."""
-    was = installed()
-    queue_class = install(implementation)
+    was, was_policy = installed(), installed_policy()
+    queue_class = install(implementation, on_misuse=on_misuse)
     try:
         yield queue_class
     finally:
         if was is None:
             uninstall()
         else:
-            install(_as_implementation(was), check_version=False)
+            install(_as_implementation(was), check_version=False, on_misuse=was_policy)
 
 
 def _as_implementation(name: str) -> Implementation:
