@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+import baseline
 import vllm_source
 
 from kvqueue import KVCacheBlock
@@ -18,6 +19,7 @@ FALLBACK_REFERENCE = "pure"
 DEQUE = "deque"
 ALL = ("vllm-0.30", "vllm-0.33", "pure", "cython", DEQUE)
 QUICK = ("pure", "cython", DEQUE)
+TWINS = {"pure": "_queue_py", "cython": "_queue"}
 
 
 @dataclass(frozen=True)
@@ -32,13 +34,15 @@ def load(name: str, *, download: bool) -> Contender:
     """The contender ``name``; LookupError (with the reason) when it cannot be had."""
     if name == DEQUE:
         return Contender(name, None, "collections.deque")
-    if name in ("pure", "cython"):
-        module = "kvqueue._queue_py" if name == "pure" else "kvqueue._queue"
+    twin, at, rev = name.partition("@")
+    if twin in TWINS:
+        # ``pure@REV`` / ``cython@REV``: that twin as it was at git revision REV.
+        module = baseline.module(rev, TWINS[twin]) if at else f"kvqueue.{TWINS[twin]}"
         try:
             queue_class = importlib.import_module(module).FreeKVCacheBlockQueue
         except ImportError as exc:
             raise LookupError(f"{module} is not importable ({exc})") from exc
-        return Contender(name, queue_class, module)
+        return Contender(name, queue_class, f"{module} at {rev}" if at else module)
     version = VLLM_VERSIONS.get(name)
     if version is None:
         raise LookupError(f"unknown contender {name!r} (known: {', '.join(ALL)})")

@@ -154,6 +154,34 @@ def _target_line(label: str, estimate: Estimate | None, limit: float) -> str:
     return f"| {label} | {fmt_estimate(estimate)} | {mark} |"
 
 
+def baseline_pairs(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """(twin, the same twin at the baseline revision) for each baseline contender timed."""
+    names = results["settings"]["contenders"]
+    split = (name.partition("@") for name in names)
+    return [(twin, f"{twin}@{rev}") for twin, at, rev in split if at and twin in names]
+
+
+def versus(results: dict[str, Any]) -> str:
+    """Each twin against its own build at the baseline revision, in the same processes."""
+    settings = results["settings"]
+    pairs = baseline_pairs(results)
+    grouped = by_case(results)
+    lines = [
+        f"Ratio of time of each twin today to the same twin at `{settings['baseline']}` "
+        f"(median of {settings['processes']} processes x {settings['samples']} samples, "
+        "[bootstrap 95% interval]); below 1 is faster today.",
+        "",
+        "| case | pool | " + " | ".join(f"`{new}` / `{old}`" for new, old in pairs) + " |",
+        "|---|---:|" + "---:|" * len(pairs),
+    ]
+    for key in settings["cases"]:
+        first = grouped[key][0]
+        estimates = [ratio(grouped[key], new, old) for new, old in pairs]
+        cells = [fmt_estimate(e) if e is not None else "n/a" for e in estimates]
+        lines.append(f"| {first['name']} | {first['pool']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def merged_table(all_results: list[dict[str, Any]]) -> str:
     """Several hosts side by side: a row per case and contender, a column per results file."""
     hosts = [

@@ -3,6 +3,7 @@
     python bench/run.py            # the full comparison (downloads two vllm wheels once)
     python bench/run.py --quick    # pure / cython / deque only, no download, under a minute
     python bench/run.py --merge a.json b.json   # several hosts side by side
+    python bench/run.py --baseline 0895b1b      # also both twins as built from that commit
 
 Every case runs in ``--processes`` fresh processes (``worker.py``), in a new random case
 order per round; the Markdown table goes to stdout, the raw samples to a JSON file and the
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import baseline
 import cases
 import chart
 import contenders
@@ -45,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-download", action="store_true", help="skip vLLM not cached")
     parser.add_argument("--out", type=Path, help="results JSON (default: bench/results/...)")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="tabulate these")
+    parser.add_argument("--baseline", metavar="REV", help="also time the twins at git REV")
     args = parser.parse_args(argv)
     defaults = (3, 5, 2.0) if args.quick else (11, 9, 20.0)
     args.processes = args.processes or defaults[0]
@@ -52,6 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sample_ms = args.sample_ms or defaults[2]
     chosen = contenders.QUICK if args.quick else contenders.ALL
     args.contenders = args.contenders.split(",") if args.contenders else list(chosen)
+    if args.baseline:
+        try:
+            args.baseline = baseline.resolve(args.baseline)
+        except LookupError as exc:
+            raise SystemExit(f"--baseline: {exc}") from exc
+        # Each twin's old build just before it: the table reads old, new.
+        args.contenders = [
+            run
+            for name in args.contenders
+            for run in ((f"{name}@{args.baseline}", name) if name in contenders.TWINS else (name,))
+        ]
     return args
 
 
@@ -150,6 +164,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "sample_ms": args.sample_ms,
             "seed": args.seed,
             "quick": args.quick,
+            "baseline": args.baseline,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "seconds": round(time.time() - started, 1),
         },
@@ -172,6 +187,9 @@ def publish(results: dict[str, Any], path: Path) -> None:
     if results["settings"]["reference"] == contenders.REFERENCE:
         print()
         print(report.targets(results))
+    if report.baseline_pairs(results):
+        print()
+        print(report.versus(results))
     print(f"\nraw samples: {path}", file=sys.stderr)
     if chart.available():
         png = path.with_suffix(".png")
