@@ -432,3 +432,53 @@ def test_full_cache_faked_through_the_pool(fake: FakeVllm, queue_mod: ModuleType
     assert queue.num_free_blocks == 0
     queue.append(queue.popleft())
     assert queue.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("value", [None, "", "0"])
+def test_plugin_off_unless_asked(
+    fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    if value is None:
+        monkeypatch.delenv(kv_vllm.ENV, raising=False)
+    else:
+        monkeypatch.setenv(kv_vllm.ENV, value)
+    kv_vllm.plugin()
+    assert kv_vllm.installed() is None
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+
+
+@pytest.mark.parametrize(
+    ("value", "implementation"), [("1", None), ("auto", None), ("python", "python")]
+)
+def test_plugin_installs_and_is_idempotent(
+    fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, value: str, implementation: str | None
+) -> None:
+    monkeypatch.setenv(kv_vllm.ENV, value)
+    monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
+    kv_vllm.plugin()
+    expected = implementation or kvqueue.IMPLEMENTATION
+    assert kv_vllm.installed() == expected
+    assert kv_vllm.installed_policy() == "repair"
+    bound = fake.pool.FreeKVCacheBlockQueue
+    kv_vllm.plugin()
+    assert fake.pool.FreeKVCacheBlockQueue is bound
+    assert fake.pool.BlockPool(3).free_block_queue.on_misuse == "repair"
+
+
+@pytest.mark.parametrize(("name", "value"), [("KVQUEUE_VLLM", "yes"), ("KVQUEUE_ON_MISUSE", "x")])
+def test_plugin_refuses_unknown_values(
+    fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(kv_vllm.ENV, "python")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        kv_vllm.plugin()
+    assert kv_vllm.installed() is None
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+
+
+def test_plugin_entry_point_is_installed() -> None:
+    from importlib.metadata import entry_points
+
+    points = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert points.get("kvqueue") == "kvqueue.vllm:plugin"

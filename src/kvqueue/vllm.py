@@ -19,6 +19,11 @@ raises :class:`VLLMLayoutError` and leaves vLLM untouched.
 
 Importing this module does not import vLLM; :func:`install` does.
 
+vLLM's plugin entry point (group ``vllm.general_plugins``, name ``kvqueue``) is
+:func:`plugin`: vLLM calls it in every process it starts, and it installs only when
+``KVQUEUE_VLLM`` asks (``1``/``auto``, ``cython``, ``python``); the queues' policy is
+``KVQUEUE_ON_MISUSE``. ``VLLM_PLUGINS``, when set, must name ``kvqueue`` (vLLM decides).
+
 It patches the calling process. vLLM's engine core, where the block pool lives, runs in a
 child process by default: a forked child (vLLM's default start method) inherits the patch;
 a spawned one does not, so there call :func:`install` in the child too, or keep the engine
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -40,12 +47,14 @@ from . import _policy
 from ._block import check_block_type
 
 __all__ = (
+    "ENV",
     "KNOWN_VERSIONS",
     "VLLMLayoutError",
     "install",
     "installed",
     "installed_policy",
     "patched",
+    "plugin",
     "uninstall",
 )
 
@@ -66,6 +75,15 @@ KNOWN_BLOCK_FIELDS: tuple[str, ...] = (
     "next_free_block",
     "is_null",
 )
+
+#: The variable that turns :func:`plugin` on, and names the implementation.
+ENV = "KVQUEUE_VLLM"
+_PLUGIN_CHOICES: dict[str, Implementation] = {
+    "1": "auto",
+    "auto": "auto",
+    "cython": "cython",
+    "python": "python",
+}
 
 _UTILS = "vllm.v1.core.kv_cache_utils"
 _POOL = "vllm.v1.core.block_pool"
@@ -139,6 +157,7 @@ class _Installed:
     originals: list[tuple[ModuleType, Any]]
 
 
+_logger = logging.getLogger("kvqueue")
 _lock = threading.RLock()
 _state: _Installed | None = None
 
@@ -259,6 +278,32 @@ def patched(
             uninstall()
         else:
             install(_as_implementation(was), check_version=False, on_misuse=was_policy)
+
+
+def plugin() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point: :func:`install` if ``KVQUEUE_VLLM`` says so.
+
+    Unset, empty or ``0``: does nothing (not even import vLLM). ``1`` or ``auto``, ``cython``,
+    ``python``: installs that implementation, with the policy ``KVQUEUE_ON_MISUSE`` names
+    (read now, to fail at startup rather than at the first queue). Safe to call again: a
+    repeated call with the same settings changes nothing.
+
+    Raises ValueError for another value of either variable, and whatever :func:`install`
+    raises: asked for kvqueue, vLLM does not start without it.
+    """
+    choice = os.environ.get(ENV, "").strip().lower()
+    if choice in ("", "0"):
+        return
+    if choice not in _PLUGIN_CHOICES:
+        raise ValueError(
+            f"{ENV} must be one of {', '.join(sorted(_PLUGIN_CHOICES))} (or unset, 0), "
+            f"not {os.environ[ENV]!r}"
+        )
+    policy = _policy.resolve(None) if os.environ.get(_policy.ENV) else None
+    was = installed()
+    install(_PLUGIN_CHOICES[choice], on_misuse=policy)
+    if was != installed():
+        _logger.info("kvqueue: vLLM's free block queue is kvqueue's (%s)", installed())
 
 
 def _as_implementation(name: str) -> Implementation:
