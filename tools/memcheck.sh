@@ -6,7 +6,8 @@
 #      suite, fuzz programs included, under python -X dev. Then the fuzz
 #      programs alone with LeakSanitizer on.
 #   2. valgrind memcheck on the normal build: the fuzz programs, the hostile
-#      cases and the invalid-operation tests (--full: the whole suite).
+#      cases and the invalid-operation tests under both misuse policies
+#      (--full: the whole suite).
 # Findings (tools/memcheck_report.py): any invalid read/write/free, any leak
 # whose allocation stack passes through kvqueue. Logs stay in build/memcheck/.
 #
@@ -89,7 +90,8 @@ if ((full)); then
     vg "$PY" -m pytest -q -p no:cacheprovider tests
 else
     vg "$PY" -m pytest -q -p no:cacheprovider -m c_extension \
-        tests/test_invalid.py tests/test_hostile.py
+        tests/test_invalid.py tests/test_policy.py::test_invalid_operation_under_each_policy \
+        tests/test_hostile.py
 fi
 
 section "findings"
