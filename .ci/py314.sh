@@ -9,7 +9,7 @@
 # tools/freethreading.sh builds 3.13t: the archive reachable here lists that
 # source but answers 404 for its files (binary packages download), and the
 # binaries need a newer glibc than this Debian release's, hence a whole root.
-# The root is made once (about 1.5 min, 650 MB) and kept under
+# The root is made once (about 2 min, 650 MB) and kept under
 # ~/.cache/kvqueue/, so a fresh clone on the same machine reuses it; delete it
 # to take a newer python3.14. Nothing inside it reaches the network: the build
 # requirements, pytest and hypothesis are downloaded by the host's pip (its own
