@@ -6,9 +6,9 @@ their tests match on them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from operator import index
-import sys
 
 
 def empty() -> ValueError:
