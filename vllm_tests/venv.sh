@@ -18,27 +18,38 @@ venv=${KVQUEUE_VLLM_VENV:-$cache/vllm-$VLLM_VERSION-venv}
 python=${PYTHON311:-python3.11}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
+# What vLLM's conftest files and the suites we run import beyond vLLM's own requirements
+# (a few names from vLLM's requirements/test; the rest of that list serves GPU and model tests).
+VLLM_TEST_DEPS=(pytest pytest-asyncio tblib msgpack)
+
 log() { printf 'vllm_tests/venv.sh: %s\n' "$*" >&2; }
 
+# The marker holds a hash of this recipe. A missing venv is built whole; a venv made by an
+# older recipe gets the packages added since (a venv in use is never deleted).
+recipe=$(cat "$0" "$here/requirements.py" | sha256sum | cut -d' ' -f1)
+pip=("$venv/bin/python" -m pip install -q)
 if [[ ! -f $venv/.ready ]]; then
     log "building $venv (once)"
     start=$SECONDS
     rm -rf "$venv"
     "$python" -m venv "$venv"
-    pip=("$venv/bin/python" -m pip install -q)
     "${pip[@]}" --upgrade pip
     # A vLLM wheel put in $cache/wheels is used instead of a download.
     "${pip[@]}" --find-links "$cache/wheels" "torch==$TORCH_VERSION" packaging
     "${pip[@]}" --no-deps --find-links "$cache/wheels" "vllm==$VLLM_VERSION"
+    built=1
+fi
+if [[ $(cat "$venv/.ready" 2>/dev/null) != "$recipe" ]]; then
     "$venv/bin/python" "$here/requirements.py" > "$venv/vllm-requirements.txt"
+    # pip's resolver warns that vLLM's CUDA requirements are missing: they are left out on purpose.
     "${pip[@]}" -r "$venv/vllm-requirements.txt" "torch==$TORCH_VERSION" \
-        pytest pytest-asyncio pytest-xdist setuptools "Cython>=3.1" build
-    log "built in $((SECONDS - start)) s, $(du -sh "$venv" | cut -f1)"
-    touch "$venv/.ready"
+        "${VLLM_TEST_DEPS[@]}" setuptools "Cython>=3.1" 2> >(grep -v "requires\|resolver" >&2)
+    [[ -n ${built:-} ]] && log "built in $((SECONDS - start)) s, $(du -sh "$venv" | cut -f1)"
+    echo "$recipe" > "$venv/.ready"
 fi
 
 # Cheap when nothing changed: the hash of kvqueue's build inputs decides.
-stamp=$(cd "$root" && cat pyproject.toml setup.py src/kvqueue/* 2>/dev/null | sha256sum | cut -d' ' -f1)
+stamp=$(cd "$root" && cat pyproject.toml setup.py src/kvqueue/*.py src/kvqueue/*.pyx src/kvqueue/*.pyi 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$venv/.kvqueue-src" 2>/dev/null) != "$stamp" ]]; then
     log "installing kvqueue from $root"
     "$venv/bin/python" -m pip install -q --force-reinstall --no-deps --no-build-isolation "$root"

@@ -1,0 +1,136 @@
+"""pytest plugin: run vLLM's own tests with kvqueue's queue dropped in (``-p kvqueue_plugin``).
+
+``--kvqueue=none|cython|python`` (default ``$KVQUEUE_TWIN``, else ``none``): with a twin,
+``kvqueue.vllm.install(twin, on_misuse=--kvqueue-on-misuse)`` runs before pytest imports
+vLLM's conftest files and test modules, so every name they import is the patched one.
+
+Whatever the choice, ``BlockPool.__init__`` is wrapped: a test in which a pool was built
+with any other queue class than the expected one (kvqueue's twin, or vLLM's own for
+``none``) fails, whatever the test itself asserted. The number of pools a test built is
+kept in its report (``user_properties``) and summed in the terminal summary.
+
+``--kvqueue-report=PATH`` writes ``{nodeid: {"outcome": ..., "pools": n}}`` as JSON at the
+end (under xdist, on the controller), the outcome being the worst of the test's phases.
+
+vLLM's own ``skip_global_cleanup`` marker is put on every test: its docstring calls it a
+~10x speedup for tests that need no device; without it every test ends with a full
+``gc.collect()`` and distributed teardown (about 2 s here).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import pytest
+
+TWINS = ("none", "cython", "python")
+_RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "failed": 2, "error": 3}
+
+_expected: type | None = None
+_built: list[type] = []
+_results: dict[str, dict[str, Any]] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvqueue")
+    group.addoption(
+        "--kvqueue",
+        choices=TWINS,
+        default=os.environ.get("KVQUEUE_TWIN") or "none",
+        help="queue under vLLM: its own (none) or a kvqueue twin",
+    )
+    group.addoption(
+        "--kvqueue-on-misuse",
+        choices=("raise", "repair"),
+        default=None,
+        help="on_misuse policy given to kvqueue.vllm.install()",
+    )
+    group.addoption("--kvqueue-report", default=None, help="write the outcomes as JSON here")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    global _expected
+    twin = early_config.known_args_namespace.kvqueue
+    policy = early_config.known_args_namespace.kvqueue_on_misuse
+    from vllm.v1.core import block_pool, kv_cache_utils
+
+    if twin == "none":
+        _expected = kv_cache_utils.FreeKVCacheBlockQueue
+    else:
+        import kvqueue.vllm
+
+        _expected = kvqueue.vllm.install(twin, on_misuse=policy)
+    original = block_pool.BlockPool.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _built.append(type(self.free_block_queue))
+
+    block_pool.BlockPool.__init__ = __init__
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"kvqueue: {config.getoption('kvqueue')}, BlockPool queue class {_expected!r}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker("skip_global_cleanup")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    _built.clear()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    result = yield
+    wrong = {cls for cls in _built if cls is not _expected}
+    item.user_properties.append(("kvqueue_pools", len(_built)))
+    if wrong:
+        raise AssertionError(
+            f"kvqueue_plugin: a BlockPool was built with {sorted(map(repr, wrong))}, "
+            f"not {_expected!r}"
+        )
+    return result
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    entry = _results.setdefault(report.nodeid, {"outcome": "passed", "pools": 0})
+    if report.when == "call":
+        outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+        entry["pools"] = dict(report.user_properties).get("kvqueue_pools", 0)
+    elif report.failed:
+        outcome = "error"
+    else:
+        outcome = report.outcome
+    if _RANK[outcome] > _RANK[entry["outcome"]]:
+        entry["outcome"] = outcome
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:
+        _results[report.nodeid] = {"outcome": "error", "pools": 0}
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    tests = sum(1 for entry in _results.values() if entry["pools"])
+    pools = sum(entry["pools"] for entry in _results.values())
+    terminalreporter.write_line(
+        f"kvqueue: {config.getoption('kvqueue')}: {tests} tests built {pools} block pools, "
+        f"each checked to hold {_expected!r}"
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("kvqueue_report")
+    if path and not hasattr(session.config, "workerinput"):
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(_results, out, indent=1, sort_keys=True)
