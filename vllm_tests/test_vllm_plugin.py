@@ -1,0 +1,108 @@
+"""kvqueue as vLLM's general plugin, loaded by vLLM's own ``load_general_plugins()``.
+
+Run with pytest in the vLLM venv (vllm_tests/venv.sh installs this checkout's kvqueue there
+as a wheel, entry point included). Each case is a fresh interpreter, as each process vLLM
+starts is: it loads the plugins three times (vLLM guards its loader with a flag; the flag is
+reset to load again, as a forked child that re-runs the loader would), then builds vLLM's
+real ``BlockPool`` and reports which queue it got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from importlib.metadata import entry_points
+    import vllm.plugins
+    from vllm.v1.core import block_pool
+
+    bound = []
+    for _ in range(3):
+        vllm.plugins.plugins_loaded = False
+        vllm.plugins.load_general_plugins()
+        bound.append(id(block_pool.FreeKVCacheBlockQueue))
+    pool = block_pool.BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=16)
+    queue = pool.free_block_queue
+    (point,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "kvqueue"]
+    import kvqueue.vllm
+    json.dump({
+        "queue": type(queue).__module__,
+        "on_misuse": getattr(queue, "on_misuse", None),
+        "installed": kvqueue.vllm.installed(),
+        "rebound": len(set(bound)) != 1,
+        "entry_point": point.value,
+        "dist": point.dist.name,
+        "kvqueue_file": kvqueue.__file__,
+        "free": queue.num_free_blocks,
+    }, sys.stdout)
+    """
+)
+
+
+def probe(**env: str) -> dict[str, Any]:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KVQUEUE_VLLM", "KVQUEUE_ON_MISUSE", "VLLM_PLUGINS")
+    }
+    clean.update(env, VLLM_TARGET_DEVICE="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], env=clean, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout)
+    assert result["entry_point"] == "kvqueue.vllm:plugin"
+    assert result["dist"] == "kvqueue"
+    # The installed wheel, not this checkout's src/.
+    assert "site-packages" in result["kvqueue_file"]
+    assert result["free"] == 5
+    assert not result["rebound"]
+    return result
+
+
+@pytest.mark.parametrize("env", [{}, {"KVQUEUE_VLLM": ""}, {"KVQUEUE_VLLM": "0"}])
+def test_off_unless_asked(env: dict[str, str]) -> None:
+    result = probe(**env, KVQUEUE_ON_MISUSE="repair")
+    assert result["queue"] == "vllm.v1.core.kv_cache_utils"
+    assert result["installed"] is None
+
+
+@pytest.mark.parametrize(
+    ("value", "module"),
+    [("cython", "kvqueue._queue"), ("python", "kvqueue._queue_py"), ("1", "kvqueue._queue")],
+)
+def test_on_when_asked(value: str, module: str) -> None:
+    result = probe(KVQUEUE_VLLM=value)
+    assert result["queue"] == module
+    assert result["on_misuse"] == "raise"
+
+
+def test_policy_from_the_environment() -> None:
+    assert probe(KVQUEUE_VLLM="python", KVQUEUE_ON_MISUSE="repair")["on_misuse"] == "repair"
+
+
+@pytest.mark.parametrize(
+    ("allowed", "module"), [("other", None), ("other,kvqueue", "kvqueue._queue")]
+)
+def test_vllm_plugins_is_respected(allowed: str, module: str | None) -> None:
+    result = probe(KVQUEUE_VLLM="cython", VLLM_PLUGINS=allowed)
+    assert result["queue"] == (module or "vllm.v1.core.kv_cache_utils")
+
+
+def test_bad_value_stops_vllm_loudly() -> None:
+    env = dict(os.environ, KVQUEUE_VLLM="yes", VLLM_TARGET_DEVICE="cpu")
+    code = "import vllm.plugins; vllm.plugins.load_general_plugins()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "KVQUEUE_VLLM must be one of" in done.stderr
