@@ -11,7 +11,7 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
 
-.PHONY: test bench bench-engine bench-scheduler engine-check lint memcheck py314 clean
+.PHONY: test bench bench-engine bench-scheduler engine-check lint memcheck py314 vllm-tests clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ bench-engine: engine-check
 # vllm_tests/venv.sh (built once, kvqueue reinstalled when its sources change).
 bench-scheduler:
 	venv=$$(bash vllm_tests/venv.sh) && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
+
+# vLLM 0.33.0's own tests three ways: its queue, kvqueue's twins (vllm_tests/run.py;
+# VLLM_TESTS_ARGS=--quick: three suites), then kvqueue's tests against the real vLLM.
+vllm-tests:
+	venv=$$(bash vllm_tests/venv.sh) \
+	    && "$$venv/bin/python" vllm_tests/run.py $(VLLM_TESTS_ARGS) \
+	    && "$$venv/bin/python" -m pytest -p no:cacheprovider -p no:asyncio vllm_tests
 
 # The compiled twin under AddressSanitizer and valgrind (MEMCHECK_ARGS=--full: whole suite).
 memcheck: $(VENV)/.ready
