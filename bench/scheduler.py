@@ -56,17 +56,16 @@ SAMPLE_INTERVAL_S = 0.001
 
 
 def use(name: str) -> type:
-    """Bind vLLM's pool to contender ``name``'s queue; return the queue class."""
+    """Bind vLLM's pool to contender ``name``'s queue; return the class its pools will hold."""
     from vllm.v1.core import block_pool
 
     import kvqueue.vllm
 
     if name == REFERENCE:
         kvqueue.vllm.uninstall()
-    else:
-        kvqueue.vllm.install(name)  # type: ignore[arg-type]
-    queue_class: type = block_pool.FreeKVCacheBlockQueue
-    return queue_class
+        queue_class: type = block_pool.FreeKVCacheBlockQueue
+        return queue_class
+    return kvqueue.vllm.install(name)  # type: ignore[arg-type]
 
 
 def shrink(w: Any, quick: bool) -> Any:
@@ -283,9 +282,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _kvqueue_stamp() -> str:
-    """The hash of the kvqueue sources vllm_tests/venv.sh last installed here, if it did."""
-    stamp = Path(sys.prefix) / ".kvqueue-src"
-    return stamp.read_text().strip() if stamp.exists() else "unknown"
+    """A hash of the kvqueue package the workers import (its files, .so included)."""
+    import hashlib
+
+    import kvqueue
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(kvqueue.__file__).parent.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _vllm_version() -> str:

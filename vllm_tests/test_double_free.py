@@ -15,6 +15,7 @@ queue this way, and those that cannot: /work/notes/double_free_paths.md.
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import subprocess
@@ -316,3 +317,24 @@ def test_repair_under_load_never_hands_a_block_to_two_requests(kind, seed, monke
             assert not (requests and block_id in free), f"block {block_id} held and free"
         assert queue.repairs["linked"] == injected
     assert injected > 50
+
+
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_install_can_choose_repair_without_the_environment(kind, monkeypatch):
+    if "on_misuse" not in inspect.signature(kvqueue_vllm.install).parameters:
+        pytest.skip("this kvqueue.vllm.install() takes no on_misuse")
+    monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
+    was = kvqueue_vllm.installed()
+    kvqueue_vllm.install(kind, on_misuse="repair")
+    try:
+        pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    finally:
+        if was is None:
+            kvqueue_vllm.uninstall()
+        else:
+            kvqueue_vllm.install(was)
+    assert type(pool.free_block_queue).__module__ == MODULES[kind]
+    _, second_free = double_free(pool)
+    second_free()
+    assert pool.free_block_queue.repairs["linked"] == 1
+    assert_pool_whole(pool)
