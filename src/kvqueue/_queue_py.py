@@ -238,8 +238,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         block_type = self._block_type
         if type(block) is not block_type and not is_subtype(type(block), block_type):
             raise _errors.not_a_block(block, block_type, "remove()")
-        pool = self._pool
-        if pool is not None and cast(Any, block).pool is not pool:
+        if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
             return self._misuse("remove", block, "other_pool", _errors.other_pool(block))
         prev_block = block.prev_free_block
         next_block = block.next_free_block
