@@ -261,8 +261,9 @@ class Engine:
         setattr(self.block_pool, "FreeKVCacheBlockQueue", queue_class)  # noqa: B010
 
     def queue_in_use(self) -> type:
-        queue_class: type = self.block_pool.FreeKVCacheBlockQueue
-        return queue_class
+        """The class of the queue a pool built now would hold (kvqueue.vllm binds a
+        stand-in to vLLM's name, which builds kvqueue's queue)."""
+        return type(self.block_pool.FreeKVCacheBlockQueue([]))
 
     @contextmanager
     def in_sys_modules(self) -> Iterator[None]:
