@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,15 +78,18 @@ def run_pytest(twin: str, root: Path, suites: tuple[str, ...], extra: list[str],
         VLLM_TARGET_DEVICE="cpu",
     )
     command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvqueue_plugin",
-        f"--kvqueue={twin}", f"--kvqueue-report={report}", "--continue-on-collection-errors",
+        sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+        "-p", "kvqueue_plugin", f"--kvqueue={twin}", f"--kvqueue-report={report}",
+        "--continue-on-collection-errors", "--tb=native",
         *extra, *suites,
     ]  # fmt: skip
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as out:
         code = subprocess.run(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
     lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    last = lines[-1] if lines else "(no output)"
+    # pytest's closing line; objects finalized at exit may print after it.
+    closing = re.compile(r"\d+ (passed|failed).* in ")
+    last = next((line for line in reversed(lines) if closing.search(line)), "?")
     print(f"[{twin}] {last} ({time.monotonic() - start:.0f} s; {log})", flush=True)
     if not report.is_file():
         raise RuntimeError(f"pytest exited {code.returncode} without a report; see {log}")
