@@ -1,4 +1,4 @@
-"""kvqueue.vllm against a fake vLLM module tree (the real code is in test_vllm_engine.py)."""
+"""kvqueue.vllm on a fake vLLM module tree (the real vLLM: bench/engine_check.py, vllm_tests/)."""
 
 from __future__ import annotations
 
