@@ -1,6 +1,6 @@
 """Engine-level benchmark on vLLM's real scheduler: vLLM 0.33.0's own queue vs kvqueue's twins.
 
-    make bench-scheduler                        # the vLLM venv, full run (about 15 minutes)
+    make bench-scheduler                        # the vLLM venv, full run (about 20 minutes)
     python bench/scheduler.py --quick           # 3 processes, shorter workloads
     python bench/scheduler.py --summarize bench/results/scheduler-....json
 
