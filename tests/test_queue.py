@@ -293,3 +293,12 @@ def test_a_long_queue_is_freed_without_recursion(queue_mod: ModuleType) -> None:
     assert len(queue) == 200_000
     del queue
     gc.collect()
+
+
+def test_a_queue_cannot_be_initialized_twice(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 3)
+    with pytest.raises(RuntimeError, match="the queue is already initialized"):
+        queue.__init__([KVCacheBlock(9)])
+    with pytest.raises(RuntimeError, match="the queue is already initialized"):
+        queue._build([KVCacheBlock(9)], None, None)
+    check_queue(queue, blocks, blocks)

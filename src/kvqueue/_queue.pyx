@@ -232,9 +232,10 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
 
     __class_getitem__ = classmethod(GenericAlias)
 
-    def __cinit__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):
         # The pure twin's __init__ parses the arguments and calls back _build:
-        # a wrong call gets the interpreter's own error, worded as on that twin.
+        # a wrong call gets the interpreter's own error, worded as on that twin,
+        # and so does a second call on a built queue.
         _Pure.__init__(self, *args, **kwargs)
 
     def _build(self, blocks, block_type, on_misuse, /):
