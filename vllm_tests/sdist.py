@@ -1,8 +1,9 @@
 """vLLM's own test files for one release, from its sdist on the package index; print their root.
 
-``python vllm_tests/sdist.py 0.33.0`` prints a directory holding the sdist's ``tests/`` and
-``pyproject.toml`` (vLLM's pytest configuration) and nothing else of it: with ``vllm/`` left
-out, ``import vllm`` in the tests finds the installed wheel, not the sdist's source tree.
+``python vllm_tests/sdist.py 0.33.0`` prints a directory holding the sdist's ``tests/``,
+``examples/`` (scripts some tests load) and ``pyproject.toml`` (vLLM's pytest configuration) and
+nothing else of it: with ``vllm/`` left out, ``import vllm`` in the tests finds the installed
+wheel, not the sdist's source tree.
 
 The file is found through pip's configured index (``index-url`` from pip's own configuration,
 environment included; pip's default otherwise) with the simple repository API (PEP 691 JSON),
@@ -28,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 PROJECT = "vllm"
-KEPT = ("tests/", "pyproject.toml")
+KEPT = ("tests/", "examples/", "pyproject.toml")
 _COMPLETE = ".complete"
 
 
@@ -93,9 +94,11 @@ def download(version: str) -> Path:
 
 
 def tests_root(version: str) -> Path:
-    """A directory with the sdist's tests/ and pyproject.toml, extracted once."""
+    """A directory with the sdist's KEPT parts, extracted once (again when KEPT changes)."""
     root = cache_dir() / f"vllm-{version}-tests"
-    if (root / _COMPLETE).is_file():
+    marker = f"{' '.join(KEPT)}\n"
+    complete = root / _COMPLETE
+    if complete.is_file() and complete.read_text(encoding="utf-8") == marker:
         return root
     sdist = download(version)
     prefix = f"{PROJECT}-{version}/"
@@ -108,11 +111,11 @@ def tests_root(version: str) -> Path:
                 if not member.name.startswith(prefix):
                     continue
                 rel = member.name[len(prefix) :]
-                if rel.startswith(KEPT[0]) or rel == KEPT[1]:
+                if rel in KEPT or rel.startswith(tuple(k for k in KEPT if k.endswith("/"))):
                     member.name = rel
                     members.append(member)
             archive.extractall(staging, members, filter="data")
-        (staging / _COMPLETE).write_text(sdist.name + "\n", encoding="utf-8")
+        (staging / _COMPLETE).write_text(marker, encoding="utf-8")
         shutil.rmtree(root, ignore_errors=True)
         staging.rename(root)
     except BaseException:
