@@ -1,0 +1,35 @@
+"""The README's Python examples run as written and print what they say they print."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+import kvqueue
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+EXAMPLES = (
+    re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL) if README.exists() else []
+)
+
+
+def test_readme_has_examples() -> None:
+    if not README.exists():
+        pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
+    assert any("print(" in example for example in EXAMPLES)
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if "print(" in e])
+def test_readme_example_prints_what_it_says(example: str) -> None:
+    # The printed lines follow the code as comments: "# <expected line>".
+    code, _, tail = example.partition("\n# ")
+    expected = ("# " + tail).replace("# ", "").strip()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), {})
+    expected = expected.replace("cython", kvqueue.IMPLEMENTATION, 1)
+    assert out.getvalue().strip() == expected
