@@ -245,7 +245,8 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if block_type is None:
             block_type = _first_block_type(seq) if n else KVCacheBlock
-        check_block_type(block_type)
+        else:
+            check_block_type(block_type)
         on_misuse = _policy.resolve(on_misuse)
         self._prev = _slot_offset(block_type, "prev_free_block")
         self._next = _slot_offset(block_type, "next_free_block")

@@ -97,7 +97,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         blocks = _as_sequence(blocks, "FreeKVCacheBlockQueue")
         if block_type is None:
             block_type = _first_block_type(blocks) if blocks else cast("type[B]", KVCacheBlock)
-        check_block_type(block_type)
+        else:
+            check_block_type(block_type)
         self._on_misuse = _policy.resolve(on_misuse)
         make = cast(Any, block_type)
         head: Any = make(block_id=-1)
