@@ -74,7 +74,10 @@ else:
 
     setup(
         ext_modules=cythonize(
-            [Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"])],
+            [
+                Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"]),
+                Extension("kvqueue._screen", ["src/kvqueue/_screen.pyx"]),
+            ],
             compiler_directives={"language_level": "3"},
         ),
         cmdclass={"build_ext": build_ext_or_pure, "bdist_wheel": bdist_wheel_or_pure},

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Literal
 
-__all__ = ("ENV", "KINDS", "MisusePolicy", "report", "resolve")
+__all__ = ("ENV", "KINDS", "MisusePolicy", "admit", "report", "resolve", "unlogged_note")
 
 MisusePolicy = Literal["raise", "repair"]
 
@@ -62,8 +62,9 @@ def resolve(on_misuse: object) -> MisusePolicy:
     raise ValueError(f"on_misuse must be 'raise', 'repair' or None, not {on_misuse!r:.80}")
 
 
-def report(method: str, block: object, kind: str, count: int) -> None:
-    """Log one repair (rate-limited): ``count`` is the queue's total of ``kind``."""
+def admit() -> int | None:
+    """Whether a repair may be logged now (the rate limit): None if not, else how many
+    repairs went unlogged since the last line that was."""
     global _window_start, _logged, _unlogged
     now = time.monotonic()
     if now - _window_start >= _WINDOW:
@@ -71,9 +72,21 @@ def report(method: str, block: object, kind: str, count: int) -> None:
         _logged = 0
     if _logged >= _BURST:
         _unlogged += 1
-        return
+        return None
     _logged += 1
     unlogged, _unlogged = _unlogged, 0
+    return unlogged
+
+
+def unlogged_note(unlogged: int) -> str:
+    return f" ({unlogged} earlier repairs were not logged)" if unlogged else ""
+
+
+def report(method: str, block: object, kind: str, count: int) -> None:
+    """Log one repair (rate-limited): ``count`` is the queue's total of ``kind``."""
+    unlogged = admit()
+    if unlogged is None:
+        return
     logger.warning(
         "%s() repaired a misuse (%s #%d on this queue): skipped %.200r: %s%s",
         method,
@@ -81,5 +94,5 @@ def report(method: str, block: object, kind: str, count: int) -> None:
         count,
         block,
         KINDS[kind],
-        f" ({unlogged} earlier repairs were not logged)" if unlogged else "",
+        unlogged_note(unlogged),
     )

@@ -43,18 +43,23 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _policy
+from . import _policy, _pool_guard
 from ._block import check_block_type
+from ._pool_guard import pool_repairs
 
 __all__ = (
     "ENV",
     "KNOWN_VERSIONS",
+    "POOL_GUARD_ENV",
+    "WRAP_FOREIGN_ENV",
     "VLLMLayoutError",
     "install",
     "installed",
     "installed_policy",
     "patched",
     "plugin",
+    "pool_repairs",
+    "status",
     "uninstall",
 )
 
@@ -78,6 +83,10 @@ KNOWN_BLOCK_FIELDS: tuple[str, ...] = (
 
 #: The variable that turns :func:`plugin` on, and names the implementation.
 ENV = "KVQUEUE_VLLM"
+#: ``0`` turns the pool guard off (the plugin reads it; install() takes ``pool_guard``).
+POOL_GUARD_ENV = "KVQUEUE_POOL_GUARD"
+#: ``1``: the plugin installs over another project's patch (install()'s ``wrap_foreign``).
+WRAP_FOREIGN_ENV = "KVQUEUE_WRAP_FOREIGN"
 _PLUGIN_CHOICES: dict[str, Implementation] = {
     "1": "auto",
     "auto": "auto",
@@ -142,6 +151,7 @@ def _queue_name(
         "queue_class": queue_class,
         "block_type": block_type,
         "on_misuse": on_misuse,
+        "__kvqueue_standin__": True,
     }
     return _QueueName(_NAME, (), namespace)
 
@@ -151,15 +161,25 @@ class _Installed:
     implementation: str
     queue_class: type
     on_misuse: _policy.MisusePolicy | None
-    # What the modules' FreeKVCacheBlockQueue name is bound to now.
+    # What vLLM's FreeKVCacheBlockQueue name is bound to now, and vLLM's own class.
     bound: _QueueName
-    # Every (module, original value) whose FreeKVCacheBlockQueue name was rebound.
-    originals: list[tuple[ModuleType, Any]]
+    original: type
+    # vLLM's BlockPool methods the guard replaced (empty with the guard off).
+    pool_class: type
+    pool_originals: dict[str, Any]
+    wrap_foreign: bool
 
 
+# The state lives in vLLM's module, beside the name it patched: a reloaded
+# kvqueue.vllm (a new module-global namespace) still finds it there.
+_STATE = "__kvqueue_installed__"
 _logger = logging.getLogger("kvqueue")
 _lock = threading.RLock()
-_state: _Installed | None = None
+
+
+def _state() -> _Installed | None:
+    utils = sys.modules.get(_UTILS)
+    return getattr(utils, _STATE, None) if utils is not None else None
 
 
 def install(
@@ -167,117 +187,219 @@ def install(
     *,
     check_version: bool = True,
     on_misuse: _policy.MisusePolicy | None = None,
+    pool_guard: bool = True,
+    wrap_foreign: bool = False,
 ) -> type:
-    """Make vLLM's block pools use kvqueue's ``FreeKVCacheBlockQueue``; return that class.
+    """Make vLLM's block pools use kvqueue's ``FreeKVCacheBlockQueue`` and guard; return that class.
 
     ``implementation`` is ``"auto"`` (whatever ``import kvqueue`` picked), ``"cython"`` or
-    ``"python"``. ``on_misuse`` (``"raise"``, ``"repair"`` or None) is passed to every
-    queue built through vLLM's name, unless the caller passes its own; None leaves the
-    choice to ``KVQUEUE_ON_MISUSE``, read when each queue is built. Calling it again is a
-    no-op, or switches the implementation and the policy.
+    ``"python"``; the pool guard's screens are the same twin's. ``on_misuse`` (``"raise"``,
+    ``"repair"`` or None) is passed to every queue built through vLLM's name, unless the
+    caller passes its own; None leaves the choice to ``KVQUEUE_ON_MISUSE``, read when each
+    queue is built. A pool's guard follows its queue's policy. ``pool_guard=False`` leaves
+    ``BlockPool``'s methods as they are. Calling it again is a no-op, or switches the
+    implementation, the policy or the guard.
     ``check_version=False`` skips the version check only; the block layout is always checked.
+    ``wrap_foreign=True`` accepts a queue class or pool method that another project
+    patched: the guard wraps that pool method, and kvqueue's queue replaces that queue
+    (a warning names what is replaced).
 
-    Raises :class:`VLLMLayoutError` on a vLLM it does not know, ``ImportError`` when vLLM
-    (or the requested implementation) cannot be imported, ValueError for an unknown
-    ``implementation`` or ``on_misuse``.
+    Raises :class:`VLLMLayoutError` on a vLLM it does not know, or one another project
+    patched (unless ``wrap_foreign``); ``ImportError`` when vLLM (or the requested
+    implementation) cannot be imported; ValueError for an unknown ``implementation`` or
+    ``on_misuse``. On any error nothing is changed.
     """
-    global _state
     if on_misuse is not None:
         on_misuse = _policy.resolve(on_misuse)
     queue_class, name = _queue_class(implementation)
+    screen = _screen_module(name)
     with _lock:
-        if _state is not None:
-            if _state.queue_class is queue_class and _state.on_misuse == on_misuse:
-                return queue_class
-            bound = _queue_name(queue_class, _state.bound.block_type, on_misuse)
-            for module, _original in _state.originals:
-                if getattr(module, _NAME, None) is _state.bound:
-                    setattr(module, _NAME, bound)
-            _state.queue_class = queue_class
-            _state.implementation = name
-            _state.on_misuse = on_misuse
-            _state.bound = bound
-            return queue_class
-
-        vllm = importlib.import_module("vllm")
-        if check_version:
-            _check_version(vllm)
-        utils = importlib.import_module(_UTILS)
-        original = getattr(utils, _NAME, None)
-        if not isinstance(original, type):
-            raise VLLMLayoutError(f"{_UTILS} defines no {_NAME} class")
-        block_class = getattr(utils, "KVCacheBlock", None)
-        _check_block_class(block_class)
-        _check_queue_api(original, queue_class)
-        # Importing the pool binds its own name to vLLM's class; that is the one used.
-        pool = importlib.import_module(_POOL)
-        if getattr(pool, _NAME, None) is not original:
-            raise VLLMLayoutError(
-                f"{_POOL}.{_NAME} is not {_UTILS}.{_NAME} "
-                f"(found {getattr(pool, _NAME, None)!r}): was it patched by someone else?"
-            )
-        modules = [utils, pool]
-        modules += [
-            module
-            for key, module in list(sys.modules.items())
-            if key.startswith("vllm.")
-            and module is not None
-            and module is not utils
-            and module is not pool
-            and getattr(module, _NAME, None) is original
-        ]
-        originals = [(module, original) for module in modules]
-        assert isinstance(block_class, type)
-        bound = _queue_name(queue_class, block_class, on_misuse)
-        for module in modules:
-            setattr(module, _NAME, bound)
-        _state = _Installed(name, queue_class, on_misuse, bound, originals)
+        state = _state()
+        if state is None:
+            state = _checked(check_version, wrap_foreign, queue_class, name, on_misuse)
+            # Guard first: it may still refuse, and then nothing has changed.
+            if pool_guard:
+                state.pool_originals = _guard(state.pool_class, screen, wrap_foreign)
+            setattr(sys.modules[_UTILS], _STATE, state)
+            _rebind(state.bound, state.original)
+        else:
+            state.wrap_foreign = state.wrap_foreign or wrap_foreign
+            if state.implementation != name or bool(state.pool_originals) != pool_guard:
+                _pool_guard.unguard(state.pool_class, state.pool_originals)
+                state.pool_originals = {}
+                if pool_guard:
+                    state.pool_originals = _guard(state.pool_class, screen, state.wrap_foreign)
+            if state.queue_class is not queue_class or state.on_misuse != on_misuse:
+                state.bound = _queue_name(queue_class, state.bound.block_type, on_misuse)
+                _rebind(state.bound)
+                state.queue_class, state.implementation = queue_class, name
+                state.on_misuse = on_misuse
+        _forward_to_vllm_log(True)
         return queue_class
 
 
-def uninstall() -> bool:
-    """Give vLLM its own queue back; False if kvqueue was not installed.
+def _checked(
+    check_version: bool,
+    wrap_foreign: bool,
+    queue_class: type,
+    name: str,
+    on_misuse: _policy.MisusePolicy | None,
+) -> _Installed:
+    """The state of a first install, from a vLLM checked to be one kvqueue can patch."""
+    vllm = importlib.import_module("vllm")
+    if check_version:
+        _check_version(vllm)
+    utils = importlib.import_module(_UTILS)
+    original = getattr(utils, _NAME, None)
+    if not isinstance(original, type):
+        raise VLLMLayoutError(f"{_UTILS} defines no {_NAME} class")
+    block_class = getattr(utils, "KVCacheBlock", None)
+    _check_block_class(block_class)
+    _check_queue_api(original, queue_class)
+    # Importing the pool binds its own name to vLLM's class; that is the one used.
+    pool = importlib.import_module(_POOL)
+    pool_class = getattr(pool, "BlockPool", None)
+    if not isinstance(pool_class, type):
+        raise VLLMLayoutError(f"{_POOL} defines no BlockPool class")
+    foreign = _foreign_queue(original, getattr(pool, _NAME, None))
+    if foreign and not wrap_foreign:
+        raise VLLMLayoutError(
+            f"{foreign}; kvqueue would bypass that patch. install(wrap_foreign=True) "
+            "(KVQUEUE_WRAP_FOREIGN=1) replaces it with kvqueue's queue anyway"
+        )
+    if foreign:
+        _logger.warning("kvqueue: %s; kvqueue's queue replaces it (wrap_foreign)", foreign)
+    assert isinstance(block_class, type)
+    bound = _queue_name(queue_class, block_class, on_misuse)
+    return _Installed(name, queue_class, on_misuse, bound, original, pool_class, {}, wrap_foreign)
 
-    A name that someone else rebound after :func:`install` is left as they set it.
-    Pools built while kvqueue was installed keep their kvqueue queues.
+
+def _foreign_queue(original: type, pool_name: object) -> str | None:
+    """What another project changed in vLLM's queue class, if anything."""
+    if pool_name is not original:
+        return f"{_POOL}.{_NAME} is not {_UTILS}.{_NAME}: {_describe(pool_name)} replaced it"
+    if original.__module__ != _UTILS:
+        return f"{_UTILS}.{_NAME} is not vLLM's own: {_describe(original)} replaced it"
+    for attribute, value in vars(original).items():
+        module = getattr(value, "__module__", _UTILS)
+        if callable(value) and module != _UTILS:
+            return (
+                f"{_UTILS}.{_NAME}.{attribute} is not vLLM's own: "
+                f"{_describe(value)} replaced it"
+            )
+    return None
+
+
+def _describe(obj: object) -> str:
+    module = getattr(obj, "__module__", None) or "an unknown module"
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}.{name}"
+
+
+def _guard(pool_class: type, screen: ModuleType, wrap_foreign: bool) -> dict[str, Any]:
+    try:
+        return _pool_guard.guard(pool_class, screen, _pool_policy, wrap_foreign=wrap_foreign)
+    except _pool_guard.ForeignPatch as exc:
+        raise VLLMLayoutError(
+            f"{exc}; kvqueue would bypass or double that patch. install(wrap_foreign=True) "
+            "(KVQUEUE_WRAP_FOREIGN=1) has kvqueue's guard wrap it"
+        ) from None
+
+
+def _pool_policy(pool: Any) -> _policy.MisusePolicy:
+    """A pool guard's policy: its queue's, else install()'s (or the environment's)."""
+    policy = getattr(pool.free_block_queue, "on_misuse", None)
+    if policy == "raise" or policy == "repair":
+        return policy  # type: ignore[return-value]
+    state = _state()
+    return _policy.resolve(state.on_misuse if state is not None else None)
+
+
+def _rebind(bound: Any, original: Any = None) -> None:
+    """Bind vLLM's name to ``bound`` in every loaded ``vllm.*`` module that holds vLLM's
+    class or a kvqueue stand-in, whenever it was imported; None puts vLLM's class back."""
+    for key, module in list(sys.modules.items()):
+        if not (key == "vllm" or key.startswith("vllm.")) or module is None:
+            continue
+        value = getattr(module, _NAME, None)
+        if value is None:
+            continue
+        if getattr(value, "__kvqueue_standin__", False) or (
+            original is not None and value is original
+        ):
+            setattr(module, _NAME, bound)
+
+
+def uninstall() -> bool:
+    """Give vLLM its own queue and pool methods back; False if kvqueue was not installed.
+
+    Every ``vllm.*`` module whose name holds a kvqueue stand-in gets vLLM's class back,
+    whenever it was imported. A name or method that someone else rebound after
+    :func:`install` is left as they set it. Pools built while kvqueue was installed keep
+    their kvqueue queues.
     """
-    global _state
     with _lock:
-        if _state is None:
+        state = _state()
+        if state is None:
             return False
-        for module, original in _state.originals:
-            if getattr(module, _NAME, None) is _state.bound:
-                setattr(module, _NAME, original)
-        _state = None
+        _pool_guard.unguard(state.pool_class, state.pool_originals)
+        _rebind(state.original)
+        delattr(sys.modules[_UTILS], _STATE)
+        _forward_to_vllm_log(False)
         return True
 
 
 def installed() -> str | None:
     """The implementation installed into vLLM (``"cython"`` or ``"python"``), or None."""
-    with _lock:
-        return None if _state is None else _state.implementation
+    state = _state()
+    return None if state is None else state.implementation
 
 
 def installed_policy() -> _policy.MisusePolicy | None:
     """The ``on_misuse`` given to :func:`install`; None: the environment decides, or none."""
-    with _lock:
-        return None if _state is None else _state.on_misuse
+    state = _state()
+    return None if state is None else state.on_misuse
+
+
+def status() -> dict[str, Any]:
+    """What is installed into vLLM in this process, for logs and bug reports.
+
+    ``implementation``: ``"cython"``, ``"python"`` or None (not installed); ``on_misuse``:
+    the policy given to :func:`install` (None: ``KVQUEUE_ON_MISUSE`` decides per queue);
+    ``pool_guard``: whether ``BlockPool``'s methods are guarded, and ``guarded``: which.
+    """
+    state = _state()
+    return {
+        "implementation": None if state is None else state.implementation,
+        "on_misuse": None if state is None else state.on_misuse,
+        "pool_guard": bool(state is not None and state.pool_originals),
+        "guarded": [] if state is None else sorted(state.pool_originals),
+    }
 
 
 @contextmanager
 def patched(
-    implementation: Implementation = "auto", *, on_misuse: _policy.MisusePolicy | None = None
+    implementation: Implementation = "auto",
+    *,
+    on_misuse: _policy.MisusePolicy | None = None,
+    pool_guard: bool = True,
 ) -> Iterator[type]:
-    """``with kvqueue.vllm.patched():`` install for the block only (if not installed before)."""
-    was, was_policy = installed(), installed_policy()
-    queue_class = install(implementation, on_misuse=on_misuse)
+    """``with kvqueue.vllm.patched():`` install for the block only (as it was after)."""
+    was = _state()
+    before = None if was is None else (was.implementation, was.on_misuse, bool(was.pool_originals))
+    queue_class = install(implementation, on_misuse=on_misuse, pool_guard=pool_guard)
     try:
         yield queue_class
     finally:
-        if was is None:
+        if before is None:
             uninstall()
         else:
-            install(_as_implementation(was), check_version=False, on_misuse=was_policy)
+            install(
+                _as_implementation(before[0]),
+                check_version=False,
+                on_misuse=before[1],
+                pool_guard=before[2],
+            )
 
 
 def plugin() -> None:
@@ -285,11 +407,13 @@ def plugin() -> None:
 
     Unset, empty or ``0``: does nothing (not even import vLLM). ``1`` or ``auto``, ``cython``,
     ``python``: installs that implementation, with the policy ``KVQUEUE_ON_MISUSE`` names
-    (read now, to fail at startup rather than at the first queue). Safe to call again: a
-    repeated call with the same settings changes nothing.
+    (read now, to fail at startup rather than at the first queue; unset keeps a policy an
+    application gave :func:`install` itself), the pool guard unless ``KVQUEUE_POOL_GUARD=0``,
+    and ``wrap_foreign`` if ``KVQUEUE_WRAP_FOREIGN=1``. Logs one line in vLLM's log when it
+    activates. Safe to call again: a repeated call with the same settings changes nothing.
 
-    Raises ValueError for another value of either variable, and whatever :func:`install`
-    raises: asked for kvqueue, vLLM does not start without it.
+    Raises ValueError for another value of any of these variables, and whatever
+    :func:`install` raises: asked for kvqueue, vLLM does not start without it.
     """
     choice = os.environ.get(ENV, "").strip().lower()
     if choice in ("", "0"):
@@ -299,11 +423,61 @@ def plugin() -> None:
             f"{ENV} must be one of {', '.join(sorted(_PLUGIN_CHOICES))} (or unset, 0), "
             f"not {os.environ[ENV]!r}"
         )
-    policy = _policy.resolve(None) if os.environ.get(_policy.ENV) else None
-    was = installed()
-    install(_PLUGIN_CHOICES[choice], on_misuse=policy)
-    if was != installed():
-        _logger.info("kvqueue: vLLM's free block queue is kvqueue's (%s)", installed())
+    guard = _flag(POOL_GUARD_ENV, default=True)
+    wrap_foreign = _flag(WRAP_FOREIGN_ENV, default=False)
+    if os.environ.get(_policy.ENV):
+        policy: _policy.MisusePolicy | None = _policy.resolve(None)
+    else:
+        policy = installed_policy()
+    before = status()
+    install(_PLUGIN_CHOICES[choice], on_misuse=policy, pool_guard=guard, wrap_foreign=wrap_foreign)
+    after = status()
+    if after != before:
+        import kvqueue
+
+        _logger.info(
+            "kvqueue %s active: vLLM's free block queue is kvqueue's %s twin, pool guard %s, "
+            "on_misuse=%s",
+            kvqueue.__version__,
+            after["implementation"],
+            "on (" + ", ".join(after["guarded"]) + ")" if after["pool_guard"] else "off",
+            after["on_misuse"] or _policy.resolve(None),
+        )
+
+
+def _flag(variable: str, *, default: bool) -> bool:
+    value = os.environ.get(variable, "").strip()
+    if value == "":
+        return default
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"{variable} must be 1 or 0 (or unset), not {os.environ[variable]!r}")
+
+
+class _ToVLLMLog(logging.Handler):
+    """Hands kvqueue's records to vLLM's handler: its stream, format, time and process."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("vllm")
+        if target.handlers:
+            target.handle(record)
+        elif not logging.getLogger().handlers and logging.lastResort is not None:
+            # Before vLLM configures its logging (or with VLLM_CONFIGURE_LOGGING=0),
+            # what Python does for a logger without handlers.
+            if record.levelno >= logging.lastResort.level:
+                logging.lastResort.handle(record)
+
+
+def _forward_to_vllm_log(on: bool) -> None:
+    handlers = [h for h in _logger.handlers if type(h).__name__ == _ToVLLMLog.__name__]
+    if on and not handlers:
+        _logger.addHandler(_ToVLLMLog())
+        # The active line is INFO: let it through unless the application set a level.
+        if _logger.level == logging.NOTSET:
+            _logger.setLevel(logging.INFO)
+    elif not on:
+        for handler in handlers:
+            _logger.removeHandler(handler)
 
 
 def _as_implementation(name: str) -> Implementation:
@@ -329,6 +503,16 @@ def _queue_class(implementation: str) -> tuple[type, str]:
 
         return pure, "python"
     raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {implementation!r}")
+
+
+def _screen_module(implementation: str) -> ModuleType:
+    if implementation == "cython":
+        from . import _screen
+
+        return _screen
+    from . import _screen_py
+
+    return _screen_py
 
 
 def _parse_version(text: str) -> tuple[int, int] | None:

@@ -1,0 +1,96 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
+"""The pool guard's screens, compiled: the twin of ``_screen_py.py``, function for function.
+
+One deliberate difference: ``first_excess`` keys the references it has counted in a
+small open-addressing table of block addresses instead of a dict of ``id()``s (no
+int object per block). It holds a reference to every block in that table, so code a
+block's attributes run cannot free one and put another object at its address.
+"""
+
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from libc.stdint cimport uintptr_t
+
+__all__ = ("first_excess", "first_held_free", "first_negative")
+
+
+cdef struct _Seen:
+    PyObject *block
+    Py_ssize_t left
+
+
+def first_excess(list blocks, object pool, bint route_others):
+    """The index of the first occurrence in ``blocks`` that would take its block's
+    ``ref_cnt`` below 0 if each occurrence released one reference, or -1; O(len(blocks)).
+
+    Null blocks are skipped (vLLM keeps no count for them). With ``route_others``,
+    so are blocks whose ``pool`` is another pool: vLLM hands those to their own
+    pool, whose guard screens them.
+    """
+    cdef Py_ssize_t cap = 8, mask, i, slot, found = -1
+    cdef Py_ssize_t n = len(blocks)
+    cdef _Seen *seen
+    cdef object block, owner
+    while cap < 2 * n:
+        cap <<= 1
+    mask = cap - 1
+    seen = <_Seen *>PyMem_Calloc(cap, sizeof(_Seen))
+    if seen is NULL:
+        raise MemoryError()
+    try:
+        i = 0
+        # The length is read again each turn: an attribute read may run code that
+        # shrinks the list (the table holds at most n blocks whatever it grows to).
+        while i < len(blocks) and i < n:
+            block = blocks[i]
+            if block.is_null:
+                i += 1
+                continue
+            if route_others:
+                owner = block.pool
+                if owner is not None and owner is not pool:
+                    i += 1
+                    continue
+            slot = <Py_ssize_t>((<uintptr_t><PyObject *>block >> 4) & mask)
+            while seen[slot].block is not NULL and seen[slot].block != <PyObject *>block:
+                slot = (slot + 1) & mask
+            if seen[slot].block is NULL:
+                refs = block.ref_cnt
+                if refs < 1:
+                    found = i
+                    break
+                Py_INCREF(block)
+                seen[slot].block = <PyObject *>block
+                seen[slot].left = <Py_ssize_t>min(refs, n + 1)
+            elif seen[slot].left < 1:
+                found = i
+                break
+            seen[slot].left -= 1
+            i += 1
+    finally:
+        for slot in range(cap):
+            if seen[slot].block is not NULL:
+                Py_DECREF(<object>seen[slot].block)
+        PyMem_Free(seen)
+    return found
+
+
+def first_negative(blocks):
+    """The index of the first non-null block with a negative ``ref_cnt``, or -1."""
+    cdef Py_ssize_t i = 0
+    for block in blocks:
+        if not block.is_null and block.ref_cnt < 0:
+            return i
+        i += 1
+    return -1
+
+
+def first_held_free(object head, Py_ssize_t n):
+    """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
+    whose ``ref_cnt`` is not 0, or None; O(n). The list must hold ``n`` blocks."""
+    cdef object block = head
+    for _ in range(n):
+        block = block.next_free_block
+        if block.ref_cnt != 0:
+            return block
+    return None

@@ -1,0 +1,60 @@
+"""The pool guard's screens, pure Python: the twin of ``_screen.pyx``.
+
+Each screen reads blocks and changes nothing: it runs on every guarded call of
+vLLM's ``BlockPool`` (kvqueue/_pool_guard.py), before vLLM's own method, and
+answers where the first misuse is, or that there is none. A block is whatever
+vLLM's pool holds: any object with ``ref_cnt``, ``is_null`` and ``pool``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ("first_excess", "first_held_free", "first_negative")
+
+
+def first_excess(blocks: list[Any], pool: object, route_others: bool) -> int:
+    """The index of the first occurrence in ``blocks`` that would take its block's
+    ``ref_cnt`` below 0 if each occurrence released one reference, or -1; O(len(blocks)).
+
+    Null blocks are skipped (vLLM keeps no count for them). With ``route_others``,
+    so are blocks whose ``pool`` is another pool: vLLM hands those to their own
+    pool, whose guard screens them.
+    """
+    # Block ids are not unique across pools and vLLM's dataclass blocks are not
+    # hashable: a block's remaining references are keyed by identity.
+    left: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        if block.is_null:
+            continue
+        if route_others:
+            owner = block.pool
+            if owner is not None and owner is not pool:
+                continue
+        key = id(block)
+        refs = left.get(key)
+        if refs is None:
+            refs = block.ref_cnt
+        if refs < 1:
+            return i
+        left[key] = refs - 1
+    return -1
+
+
+def first_negative(blocks: list[Any]) -> int:
+    """The index of the first non-null block with a negative ``ref_cnt``, or -1."""
+    for i, block in enumerate(blocks):
+        if not block.is_null and block.ref_cnt < 0:
+            return i
+    return -1
+
+
+def first_held_free(head: Any, n: int) -> Any:
+    """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
+    whose ``ref_cnt`` is not 0, or None; O(n). The list must hold ``n`` blocks."""
+    block = head
+    for _ in range(n):
+        block = block.next_free_block
+        if block.ref_cnt != 0:
+            return block
+    return None
