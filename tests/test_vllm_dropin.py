@@ -20,6 +20,17 @@ UTILS = "vllm.v1.core.kv_cache_utils"
 POOL = "vllm.v1.core.block_pool"
 
 
+def _as_vllms(cls: type) -> type:
+    """Make ``cls`` and its methods look defined in vLLM's module, as vLLM's own queue is
+    (kvqueue refuses a queue class another module patched)."""
+    cls.__module__ = UTILS
+    for value in vars(cls).values():
+        if callable(value):
+            value.__module__ = UTILS
+    return cls
+
+
+@_as_vllms
 class VllmQueue:
     """Stands in for vLLM's own queue: the public API is what the drop-in compares."""
 
@@ -316,6 +327,7 @@ def test_unknown_block_layout_refused(
 
 
 def test_unknown_queue_api_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    @_as_vllms
     class NewerQueue(VllmQueue):
         def popleft_until(self, block: Any) -> None: ...
 
@@ -329,9 +341,25 @@ def test_foreign_patch_refused(fake: FakeVllm) -> None:
         pass
 
     fake.pool.FreeKVCacheBlockQueue = Theirs
-    with pytest.raises(kv_vllm.VLLMLayoutError, match="patched by someone else"):
+    with pytest.raises(kv_vllm.VLLMLayoutError, match=r"block_pool.FreeKVCacheBlockQueue .*Theirs"):
         kv_vllm.install("python")
     assert fake.bindings() == (VllmQueue, Theirs)
+    assert kv_vllm.installed() is None
+
+
+def test_foreign_queue_method_refused_unless_asked(fake: FakeVllm) -> None:
+    """A queue method patched in place (as vllm-ascend does) is named, module and all."""
+
+    def append_n(self: Any, blocks: Any) -> None: ...
+
+    fake.monkeypatch.setattr(VllmQueue, "append_n", append_n)
+    with pytest.raises(kv_vllm.VLLMLayoutError, match=r"FreeKVCacheBlockQueue.append_n .*test_vllm_dropin"):
+        kv_vllm.install("python")
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+    from kvqueue._queue_py import FreeKVCacheBlockQueue as Pure
+
+    kv_vllm.install("python", wrap_foreign=True)
+    assert fake.bindings() == (Pure, Pure)
 
 
 def test_bad_implementation_name(fake: FakeVllm) -> None:

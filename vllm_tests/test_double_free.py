@@ -1,29 +1,29 @@
-"""The double free that corrupts a serving engine's free list, on vLLM's real BlockPool.
+"""Double frees on vLLM's real BlockPool: what vLLM alone does, and kvqueue's pool guard.
 
-Run with pytest in the vLLM venv (vllm_tests/venv.sh). Every pool here is vLLM 0.33's own
-``BlockPool``, built as vLLM builds it; only the queue class it picks up changes:
+Run with pytest in the vLLM venv (vllm_tests/venv.sh). Every pool here is vLLM's own
+``BlockPool``, built as vLLM builds it; what changes is what ``kvqueue.vllm.install()`` put in:
 
-* ``vllm``: vLLM's own ``FreeKVCacheBlockQueue``;
-* ``cython`` / ``python``: ``kvqueue.vllm.install(...)`` before the pool is built, with the
-  misuse policy given by ``KVQUEUE_ON_MISUSE`` (what a pool built inside vLLM reads).
+* ``vllm``: nothing (vLLM's own queue and methods);
+* ``cython`` / ``python``: kvqueue's queue and pool guard, with the misuse policy given by
+  ``KVQUEUE_ON_MISUSE`` (what a pool built inside vLLM reads).
 
-The corrupting case: a block that is free (linked in the queue) gets a reference from a path
-that bypasses ``BlockPool.touch()`` (which would unlink it), then is freed again: its
-``ref_cnt`` drops to 0 and the pool links it a second time. Paths in vLLM that reach the
-queue this way, and those that cannot: /work/notes/double_free_paths.md.
+The two forms: a block freed twice in one ``free_blocks()`` call (vLLM issue 42571: its
+``ref_cnt`` goes 1, 0, -1, no queue call is wrong, and a later prefix hit gives it a second
+holder), and a free block freed again (after a reference taken without ``touch()``, or
+directly), which links it twice in vLLM's list. The vLLM paths that can reach each form:
+vllm_tests/DOUBLE_FREE.md.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -42,10 +42,23 @@ KVQUEUE = ["cython", "python"]
 MODULES = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
 
 
-@contextmanager
-def queue_of(kind: str, policy: str | None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Pools built inside use ``kind``'s queue; the previous install state comes back after."""
-    was = kvqueue_vllm.installed()
+@pytest.fixture(autouse=True)
+def _install_state() -> Iterator[None]:
+    """Each test installs what it needs; what was installed before comes back after."""
+    was = kvqueue_vllm.status()
+    yield
+    if was["implementation"] is None:
+        kvqueue_vllm.uninstall()
+    else:
+        kvqueue_vllm.install(
+            was["implementation"], on_misuse=was["on_misuse"], pool_guard=was["pool_guard"]
+        )
+
+
+def new_pool(
+    kind: str, policy: str | None, monkeypatch: pytest.MonkeyPatch, num_blocks: int = NUM_BLOCKS
+) -> Any:
+    """A pool with ``kind``'s queue, and for kvqueue its guard, installed until the test ends."""
     if policy is None:
         monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
     else:
@@ -54,20 +67,7 @@ def queue_of(kind: str, policy: str | None, monkeypatch: pytest.MonkeyPatch) -> 
         kvqueue_vllm.uninstall()
     else:
         kvqueue_vllm.install(kind)
-    try:
-        yield
-    finally:
-        if was is None:
-            kvqueue_vllm.uninstall()
-        else:
-            kvqueue_vllm.install(was)
-
-
-def new_pool(
-    kind: str, policy: str | None, monkeypatch: pytest.MonkeyPatch, num_blocks: int = NUM_BLOCKS
-) -> Any:
-    with queue_of(kind, policy, monkeypatch):
-        pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16)
+    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16)
     queue = pool.free_block_queue
     if kind == "vllm":
         assert type(queue) is kv_cache_utils.FreeKVCacheBlockQueue
@@ -169,19 +169,23 @@ def assert_pool_whole(pool: Any) -> None:
 def test_kvqueue_refuses_the_second_free(kind, monkeypatch):
     pool = new_pool(kind, None, monkeypatch)
     blocks, second_free = double_free(pool)
-    with pytest.raises(ValueError, match=rf"already linked.*block_id={blocks[0].block_id}\b"):
+    message = rf"free_blocks\(\) was given block {blocks[0].block_id} .*free list already.*double free"
+    with pytest.raises(ValueError, match=message) as refused:
         second_free()
+    assert re.search(r"called from \S*/test_double_free.py:\d+ in <lambda>$", str(refused.value))
+    # Refused before vLLM's own method ran: the state the bug made, unchanged.
+    assert blocks[0].ref_cnt == 1
+    assert linked_ids(pool).count(blocks[0].block_id) == 1
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 2
-    assert_pool_whole(pool)
 
 
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_kvqueue_raise_is_the_default_and_explicit(kind, monkeypatch):
     pool = new_pool(kind, "raise", monkeypatch)
     _, second_free = double_free(pool)
-    with pytest.raises(ValueError, match="already linked"):
+    with pytest.raises(ValueError, match="double free"):
         second_free()
-    assert_pool_whole(pool)
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 2
 
 
 # -- the other pool entry that links blocks: unpin_blocks (vLLM 0.33, HiSparse) ------------
@@ -198,9 +202,9 @@ def test_unpin_after_free_links_the_block_twice(kind, monkeypatch):
         assert pool.get_num_free_blocks() == len(truly_free(pool)) + 1
         assert blocks[1].prev_free_block is blocks[1]  # append_n linked it after itself
     else:
-        with pytest.raises(ValueError, match=rf"block_id={blocks[1].block_id}\b"):
+        with pytest.raises(ValueError, match=rf"unpin_blocks\(\) was given block {blocks[1].block_id} "):
             pool.unpin_blocks([blocks[1]], on_reuse=lambda block: None)
-        assert_pool_whole(pool)
+        assert blocks[1].ref_cnt == 1
 
 
 # -- a consequence: reset_prefix_cache trusts the count ----------------------------------
@@ -218,31 +222,115 @@ def test_reset_prefix_cache_after_a_double_free(kind, monkeypatch):
         assert held.ref_cnt == 1
         assert pool.reset_prefix_cache() is True  # "all blocks are free"
     else:
-        with pytest.raises(ValueError, match="already linked"):
+        with pytest.raises(ValueError, match="double free"):
             pool.free_blocks([first])
         assert pool.reset_prefix_cache() is False  # one block is still in use
 
 
-# -- what no queue can see: a duplicate inside one free_blocks call --------------------------
+# -- issue 42571: a duplicate inside one free_blocks call, which no queue call shows ------------
 
 
-@pytest.mark.parametrize("kind", ["vllm", *KVQUEUE])
-def test_duplicate_in_one_call_leaves_a_negative_count_no_queue_sees(kind, monkeypatch):
-    """vLLM decrements per occurrence and links at 0 only, so the queue gets the block once
-    and is never misused; but ``ref_cnt`` ends at -1, a later prefix hit (``touch``) takes
-    the block without unlinking it, and the next allocation hands it to a second request.
-    kvqueue cannot catch this: every queue call is valid.
-    """
-    pool = new_pool(kind, None, monkeypatch)
+def two_holders(pool: Any) -> tuple[Any, list[Any]]:
+    """Free a held block twice in one call, let request A hit it in the prefix cache
+    (``touch``), then give request B every free block; return the block and B's blocks."""
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block, block])
+    pool.touch([block])
+    return block, pool.get_new_blocks(pool.get_num_free_blocks())
+
+
+def test_vllm_alone_gives_one_block_two_holders(monkeypatch):
+    """vLLM decrements per occurrence and links at 0 only: ``ref_cnt`` ends at -1 with every
+    queue call valid, ``touch`` takes it to 0 without unlinking it, and the next
+    allocation hands the block A holds to B."""
+    pool = new_pool("vllm", None, monkeypatch)
     (block,) = pool.get_new_blocks(1)
     pool.free_blocks([block, block])
     assert block.ref_cnt == -1
     assert linked_ids(pool).count(block.block_id) == 1
-    pool.touch([block])  # request A hits it in the prefix cache: ref_cnt -1 -> 0, still linked
-    assert block.block_id in linked_ids(pool)
+    pool.free_blocks([])  # nothing else notices
+    pool.touch([block])
+    assert block.ref_cnt == 0 and block.block_id in linked_ids(pool)
     handed = pool.get_new_blocks(pool.get_num_free_blocks())
-    assert block in handed  # request B gets the block A holds
-    assert pool.get_num_free_blocks() == 0
+    assert block in handed  # A holds it through touch, B through allocation: two holders
+    assert block.ref_cnt == 1
+
+
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_guard_refuses_the_duplicate_at_the_faulty_call(kind, monkeypatch):
+    pool = new_pool(kind, "raise", monkeypatch)
+    (block,) = pool.get_new_blocks(1)
+    before = linked_ids(pool)
+    with pytest.raises(ValueError, match=rf"free_blocks\(\) was given block {block.block_id} 2 time"):
+        pool.free_blocks([block, block])
+    assert block.ref_cnt == 1 and linked_ids(pool) == before
+    pool.free_blocks([block])
+    assert_pool_whole(pool)
+
+
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_guard_repairs_the_duplicate(kind, monkeypatch, caplog):
+    pool = new_pool(kind, "repair", monkeypatch)
+    with caplog.at_level("WARNING", logger="kvqueue"):
+        block, handed = two_holders(pool)
+    assert block not in handed  # A keeps it alone
+    assert block.ref_cnt == 1
+    assert kvqueue_vllm.pool_repairs(pool)["double_free"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if "repaired a double free" in r.getMessage()]
+    assert f"block {block.block_id}" in line and "BlockPool.free_blocks()" in line
+
+
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_negative_count_left_by_an_unguarded_free(kind, policy, monkeypatch):
+    """A -1 made before the guard was on: ``touch`` and ``get_new_blocks`` see it."""
+    pool = new_pool(kind, policy, monkeypatch)
+    kvqueue_vllm.install(kind, pool_guard=False)
+    try:
+        (block,) = pool.get_new_blocks(1)
+        pool.free_blocks([block, block])
+    finally:
+        kvqueue_vllm.install(kind)
+    assert block.ref_cnt == -1
+    if policy == "raise":
+        with pytest.raises(ValueError, match=rf"touch\(\) was given block {block.block_id} whose ref_cnt is -1"):
+            pool.touch([block])
+        with pytest.raises(ValueError, match=rf"get_new_blocks\(\) would hand out block {block.block_id}"):
+            pool.get_new_blocks(1)
+        assert block.ref_cnt == -1
+    else:
+        pool.touch([block])  # taken as 0: touch unlinks it, A holds it
+        assert block.ref_cnt == 1 and block.block_id not in linked_ids(pool)
+        assert block not in pool.get_new_blocks(pool.get_num_free_blocks())
+        assert kvqueue_vllm.pool_repairs(pool)["negative_ref"] == 1
+
+
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_held_block_in_the_free_list_is_not_handed_out(kind, policy, monkeypatch):
+    pool = new_pool(kind, policy, monkeypatch)
+    head = pool.free_block_queue.fake_free_list_head.next_free_block
+    head.ref_cnt += 1  # a reference taken without touch(): held, still linked
+    if policy == "raise":
+        with pytest.raises(ValueError, match=rf"would hand out block {head.block_id}, which is in the free list with ref_cnt 1"):
+            pool.get_new_blocks(2)
+        assert linked_ids(pool)[0] == head.block_id
+    else:
+        assert head not in pool.get_new_blocks(2)
+        assert kvqueue_vllm.pool_repairs(pool)["held_free"] == 1
+        assert head.ref_cnt == 1 and head.block_id not in linked_ids(pool)
+
+
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_another_pools_block_is_routed_and_checked_there(kind, monkeypatch):
+    mine = new_pool(kind, "raise", monkeypatch)
+    theirs = new_pool(kind, "raise", monkeypatch)
+    (block,) = theirs.get_new_blocks(1)
+    with pytest.raises(ValueError, match=rf"block {block.block_id} 2 time.*\({NUM_BLOCKS} blocks\)") as refused:
+        mine.free_blocks([block, block])
+    assert f"{id(theirs):#x}" in str(refused.value)  # the pool that owns it refused
+    mine.free_blocks([block, mine.null_block])
+    assert block.ref_cnt == 0 and block.block_id in linked_ids(theirs)
 
 
 # -- kvqueue, on_misuse="repair": the engine keeps going, the pool stays true -----------------
@@ -251,94 +339,100 @@ def test_duplicate_in_one_call_leaves_a_negative_count_no_queue_sees(kind, monke
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_repair_skips_the_second_free(kind, monkeypatch):
     pool = new_pool(kind, "repair", monkeypatch)
-    _, second_free = double_free(pool)
+    blocks, second_free = double_free(pool)
     second_free()
-    assert pool.free_block_queue.repairs["linked"] == 1
+    assert kvqueue_vllm.pool_repairs(pool)["held_free"] == 1
+    assert pool.free_block_queue.repairs["linked"] == 0  # the guard saw it first
+    assert blocks[0].ref_cnt == 0
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 2
     assert_pool_whole(pool)
 
 
+def inject(rng: random.Random, pool: Any, held: dict[int, list[Any]]) -> str | None:
+    """One double free of a random form, as a buggy caller makes it; its name, or None."""
+    form = rng.choice(["in-call duplicate", "free of a free block", "untouched reference", "double unpin"])
+    free = [b for b in pool.blocks[1:] if b.ref_cnt == 0]
+    # A duplicate of a block another request holds too would release that request's
+    # reference: no count can tell whose it was. The duplicates are of blocks held once.
+    sole = [r for r, blocks in held.items() if any(b.ref_cnt == 1 for b in blocks)]
+    if form == "in-call duplicate" and sole:
+        blocks = held.pop(rng.choice(sole))
+        pool.free_blocks([*blocks, rng.choice([b for b in blocks if b.ref_cnt == 1])])
+    elif form == "free of a free block" and free:
+        pool.free_blocks([rng.choice(free)])
+    elif form == "untouched reference" and free:
+        block = rng.choice(free)
+        block.ref_cnt += 1  # taken without touch(): still linked
+        pool.free_blocks([block])
+    elif form == "double unpin" and sole:
+        blocks = held.pop(rng.choice(sole))
+        twice = rng.choice([b for b in blocks if b.ref_cnt == 1])
+        pool.unpin_blocks([*blocks, twice], on_reuse=lambda b: None)
+    else:
+        return None
+    return form
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("kind", KVQUEUE)
-def test_repair_under_load_never_hands_a_block_to_two_requests(kind, seed, monkeypatch):
-    """Seeded requests allocate and free blocks (hashed ones too, so frees go to both ends
-    of the queue and prefix hits take blocks out of its middle), with double frees injected
-    through ``free_blocks`` and ``unpin_blocks``. After every operation: count = list = blocks
-    with ref_cnt 0, and no block is held by two requests.
+def test_repair_under_load_never_hands_a_block_to_two_holders(kind, seed, monkeypatch):
+    """Seeded requests allocate, hit the prefix cache and free (hashed blocks too, so frees
+    go to both ends of the queue and hits take blocks out of its middle), with double frees
+    of every form injected. After every operation: count = list = the blocks nobody holds,
+    and each block's ``ref_cnt`` is its number of holders.
     """
     rng = random.Random(seed)
     pool = new_pool(kind, "repair", monkeypatch, num_blocks=64)
     queue = pool.free_block_queue
-    held: dict[int, list[Any]] = {}  # request -> its blocks
-    holder: dict[int, set[int]] = {}  # block id -> requests holding it
-    injected = 0
+    held: dict[int, list[Any]] = {}  # request -> its blocks (a block once per holder)
+    forms: dict[str, int] = {}
     for step in range(2000):
         action = rng.random()
         free_now = pool.get_num_free_blocks()
         if action < 0.35 and free_now:
             blocks = pool.get_new_blocks(rng.randint(1, min(free_now, 4)))
             for block in blocks:
-                assert not holder.get(block.block_id), f"block {block.block_id} handed out twice"
+                assert not any(block is b for bs in held.values() for b in bs), block.block_id
                 if rng.random() < 0.5:  # a full block, cached: freed to the queue's tail
                     block_hash = kv_cache_utils.BlockHash(rng.randbytes(8))
                     block.set_block_hash(
                         kv_cache_utils.make_block_hash_with_group_id(block_hash, 0)
                     )
             held[step] = blocks
-        elif action < 0.45 and held:
+        elif action < 0.45:
             # A prefix hit: a block some request holds, or a free one (the middle of the queue).
-            candidates = [b for b in pool.blocks[1:] if b.ref_cnt >= 0]
-            block = rng.choice(candidates)
-            if block.ref_cnt == 0 and holder.get(block.block_id):
-                continue
+            block = rng.choice(pool.blocks[1:])
             pool.touch([block])
             held[step] = [block]
         elif action < 0.8 and held:
-            request = rng.choice(list(held))
-            blocks = held.pop(request)
-            for block in blocks:
-                holder[block.block_id].discard(request)
+            blocks = held.pop(rng.choice(list(held)))
             pool.free_blocks(reversed(blocks))
         else:
-            # The bug: a free block gets a reference without touch() and is freed again.
-            linked = [b for b in pool.blocks[1:] if b.ref_cnt == 0]
-            if not linked:
-                continue
-            block = rng.choice(linked)
-            block.ref_cnt += 1
-            if rng.random() < 0.5:
-                pool.free_blocks([block])
-            else:
-                pool.unpin_blocks([block], on_reuse=lambda b: None)
-            injected += 1
-        for request, blocks in held.items():
+            form = inject(rng, pool, held)
+            if form:
+                forms[form] = forms.get(form, 0) + 1
+        holders: dict[int, int] = {}
+        for blocks in held.values():
             for block in blocks:
-                holder.setdefault(block.block_id, set()).add(request)
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for block in pool.blocks[1:]:
+            assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id}"
         free = truly_free(pool)
         assert pool.get_num_free_blocks() == len(free)
         assert sorted(b.block_id for b in queue.get_all_free_blocks()) == free
-        for block_id, requests in holder.items():
-            assert not (requests and block_id in free), f"block {block_id} held and free"
-        assert queue.repairs["linked"] == injected
-    assert injected > 50
+    repairs = kvqueue_vllm.pool_repairs(pool)
+    assert sum(repairs.values()) == sum(forms.values()) > 100, (repairs, forms)
+    assert set(forms) == {"in-call duplicate", "free of a free block", "untouched reference", "double unpin"}
+    assert queue.repairs == dict.fromkeys(queue.repairs, 0)  # the guard saw each one first
 
 
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_install_can_choose_repair_without_the_environment(kind, monkeypatch):
-    if "on_misuse" not in inspect.signature(kvqueue_vllm.install).parameters:
-        pytest.skip("this kvqueue.vllm.install() takes no on_misuse")
     monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
-    was = kvqueue_vllm.installed()
     kvqueue_vllm.install(kind, on_misuse="repair")
-    try:
-        pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=16)
-    finally:
-        if was is None:
-            kvqueue_vllm.uninstall()
-        else:
-            kvqueue_vllm.install(was)
+    pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=16)
     assert type(pool.free_block_queue).__module__ == MODULES[kind]
     _, second_free = double_free(pool)
     second_free()
-    assert pool.free_block_queue.repairs["linked"] == 1
+    assert kvqueue_vllm.pool_repairs(pool)["held_free"] == 1
     assert_pool_whole(pool)
