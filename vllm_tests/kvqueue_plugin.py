@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 import pytest
+from vllm.v1.core import block_pool, kv_cache_utils
 
 TWINS = ("none", "cython", "python")
 _RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "failed": 2, "error": 3}
@@ -56,7 +57,6 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     global _expected
     twin = early_config.known_args_namespace.kvqueue
     policy = early_config.known_args_namespace.kvqueue_on_misuse
-    from vllm.v1.core import block_pool, kv_cache_utils
 
     if twin == "none":
         _expected = kv_cache_utils.FreeKVCacheBlockQueue
@@ -64,6 +64,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
         import kvqueue.vllm
 
         _expected = kvqueue.vllm.install(twin, on_misuse=policy)
+        assert kvqueue.vllm.status()["pool_guard"], "kvqueue's pool guard is not on"
     original = block_pool.BlockPool.__init__
 
     @functools.wraps(original)
@@ -75,7 +76,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"kvqueue: {config.getoption('kvqueue')}, BlockPool queue class {_expected!r}"
+    guard = "guarded" if getattr(block_pool.BlockPool.free_blocks, "__kvqueue_guard__", False) else "unguarded"
+    return f"kvqueue: {config.getoption('kvqueue')}, BlockPool queue class {_expected!r}, {guard}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -93,6 +95,10 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 def pytest_runtest_call(item: pytest.Item) -> Any:
     result = yield
     wrong = {cls for cls in _built if cls is not _expected}
+    # With a twin, every pool method the guard wraps must still be the guard.
+    guarded = getattr(block_pool.BlockPool.free_blocks, "__kvqueue_guard__", False)
+    if guarded != (_expected is not kv_cache_utils.FreeKVCacheBlockQueue):
+        wrong.add(f"BlockPool.free_blocks guarded={guarded}")
     item.user_properties.append(("kvqueue_pools", len(_built)))
     if wrong:
         raise AssertionError(

@@ -436,3 +436,18 @@ def test_install_can_choose_repair_without_the_environment(kind, monkeypatch):
     second_free()
     assert kvqueue_vllm.pool_repairs(pool)["held_free"] == 1
     assert_pool_whole(pool)
+
+
+def test_uninstall_restores_every_method_exactly():
+    kvqueue_vllm.uninstall()
+    before = dict(vars(BlockPool))
+    kvqueue_vllm.install("cython")
+    guarded = set(kvqueue_vllm.status()["guarded"])
+    assert guarded == {"free_blocks", "unpin_blocks", "touch", "get_new_blocks"}
+    assert {name for name, value in vars(BlockPool).items() if value is not before.get(name)} == guarded
+    kvqueue_vllm.install("python", pool_guard=False)
+    assert dict(vars(BlockPool)) == before
+    kvqueue_vllm.install("python")
+    kvqueue_vllm.uninstall()
+    assert all(vars(BlockPool)[name] is value for name, value in before.items())
+    assert set(vars(BlockPool)) == set(before)

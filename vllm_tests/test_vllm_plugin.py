@@ -40,6 +40,7 @@ PROBE = textwrap.dedent(
         "queue": type(queue).__module__,
         "on_misuse": getattr(queue, "on_misuse", None),
         "installed": kvqueue.vllm.installed(),
+        "pool_guard": kvqueue.vllm.status()["pool_guard"],
         "rebound": len(set(bound)) != 1,
         "entry_point": point.value,
         "dist": point.dist.name,
@@ -50,15 +51,15 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(**env: str) -> dict[str, Any]:
+def probe(code: str = PROBE, **env: str) -> dict[str, Any]:
     clean = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("KVQUEUE_VLLM", "KVQUEUE_ON_MISUSE", "VLLM_PLUGINS")
+        if not k.startswith("KVQUEUE_") and k != "VLLM_PLUGINS"
     }
     clean.update(env, VLLM_TARGET_DEVICE="cpu")
     done = subprocess.run(
-        [sys.executable, "-c", PROBE], env=clean, capture_output=True, text=True, check=False
+        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout)
@@ -86,6 +87,12 @@ def test_on_when_asked(value: str, module: str) -> None:
     result = probe(KVQUEUE_VLLM=value)
     assert result["queue"] == module
     assert result["on_misuse"] == "raise"
+    assert result["pool_guard"] is True
+
+
+def test_pool_guard_switch() -> None:
+    assert probe(KVQUEUE_VLLM="cython", KVQUEUE_POOL_GUARD="0")["pool_guard"] is False
+    assert probe(KVQUEUE_VLLM="cython", KVQUEUE_POOL_GUARD="1")["pool_guard"] is True
 
 
 def test_policy_from_the_environment() -> None:
@@ -106,3 +113,86 @@ def test_bad_value_stops_vllm_loudly() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode != 0
     assert "KVQUEUE_VLLM must be one of" in done.stderr
+
+
+# A stand-in for another project's guard (vllm-ascend, Dynamo): it patches vLLM's pool
+# method in place, before or after vLLM loads the plugins, and counts its calls.
+FOREIGN = textwrap.dedent(
+    """
+    import json, os, sys
+    import vllm.plugins
+    from vllm.v1.core import block_pool
+
+    def theirs_patch():
+        mine = block_pool.BlockPool.free_blocks
+        def free_blocks(self, blocks):
+            calls.append(1)
+            return mine(self, blocks)
+        free_blocks.__module__ = "their_project.patches"
+        block_pool.BlockPool.free_blocks = free_blocks
+
+    calls = []
+    when = os.environ["_KVQUEUE_TEST_PATCH"]
+    if when == "before":
+        theirs_patch()
+    try:
+        vllm.plugins.load_general_plugins()
+    except Exception as exc:
+        json.dump({"error": f"{type(exc).__name__}: {exc}"}, sys.stdout)
+        raise SystemExit(0)
+    if when == "after":
+        theirs_patch()
+    import kvqueue.vllm
+    pool = block_pool.BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=16)
+    (block,) = pool.get_new_blocks(1)
+    try:
+        pool.free_blocks([block, block])
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    pool.free_blocks([block])
+    json.dump({"refused": refused, "calls": len(calls), "ref_cnt": block.ref_cnt,
+               "status": kvqueue.vllm.status(), "free": pool.get_num_free_blocks()}, sys.stdout)
+    kvqueue.vllm.uninstall()
+    assert block_pool.BlockPool.free_blocks.__module__ == (
+        "their_project.patches" if when != "none" else "vllm.v1.core.block_pool")
+    """
+)
+
+
+def foreign(when: str, **env: str) -> dict[str, Any]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVQUEUE_")}
+    clean.update(env, KVQUEUE_VLLM="cython", _KVQUEUE_TEST_PATCH=when, VLLM_TARGET_DEVICE="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", FOREIGN], env=clean, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_another_projects_patch_before_the_plugin_is_refused_by_name() -> None:
+    result = foreign("before")
+    assert result["error"].startswith("VLLMLayoutError: vllm.v1.core.block_pool.BlockPool.free_blocks ")
+    assert "their_project.patches replaced it" in result["error"]
+    assert "KVQUEUE_WRAP_FOREIGN=1" in result["error"]
+
+
+def test_another_projects_patch_wrapped_when_asked() -> None:
+    result = foreign("before", KVQUEUE_WRAP_FOREIGN="1")
+    assert "double free" in result["refused"]
+    assert result["calls"] == 1  # theirs ran once, on the valid free, after kvqueue's check
+    assert result["ref_cnt"] == 0 and result["free"] == 5
+
+
+def test_another_projects_patch_after_the_plugin_wraps_the_guard() -> None:
+    result = foreign("after")
+    assert "double free" in result["refused"]
+    assert result["calls"] == 2  # theirs ran first, both times, and called kvqueue's guard
+    assert result["status"]["pool_guard"] is True
+    assert result["ref_cnt"] == 0 and result["free"] == 5
+
+
+def test_no_patch_refuses_nothing() -> None:
+    result = foreign("none")
+    assert "double free" in result["refused"] and result["calls"] == 0
