@@ -353,7 +353,9 @@ def test_foreign_queue_method_refused_unless_asked(fake: FakeVllm) -> None:
     def append_n(self: Any, blocks: Any) -> None: ...
 
     fake.monkeypatch.setattr(VllmQueue, "append_n", append_n)
-    with pytest.raises(kv_vllm.VLLMLayoutError, match=r"FreeKVCacheBlockQueue.append_n .*test_vllm_dropin"):
+    with pytest.raises(
+        kv_vllm.VLLMLayoutError, match=r"FreeKVCacheBlockQueue.append_n .*test_vllm_dropin"
+    ):
         kv_vllm.install("python")
     assert fake.bindings() == (VllmQueue, VllmQueue)
     from kvqueue._queue_py import FreeKVCacheBlockQueue as Pure

@@ -76,7 +76,11 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    guard = "guarded" if getattr(block_pool.BlockPool.free_blocks, "__kvqueue_guard__", False) else "unguarded"
+    guard = (
+        "guarded"
+        if getattr(block_pool.BlockPool.free_blocks, "__kvqueue_guard__", False)
+        else "unguarded"
+    )
     return f"kvqueue: {config.getoption('kvqueue')}, BlockPool queue class {_expected!r}, {guard}"
 
 

@@ -169,7 +169,9 @@ def assert_pool_whole(pool: Any) -> None:
 def test_kvqueue_refuses_the_second_free(kind, monkeypatch):
     pool = new_pool(kind, None, monkeypatch)
     blocks, second_free = double_free(pool)
-    message = rf"free_blocks\(\) was given block {blocks[0].block_id} .*free list already.*double free"
+    message = (
+        rf"free_blocks\(\) was given block {blocks[0].block_id} .*free list already.*double free"
+    )
     with pytest.raises(ValueError, match=message) as refused:
         second_free()
     assert re.search(r"called from \S*/test_double_free.py:\d+ in <lambda>$", str(refused.value))
@@ -202,7 +204,9 @@ def test_unpin_after_free_links_the_block_twice(kind, monkeypatch):
         assert pool.get_num_free_blocks() == len(truly_free(pool)) + 1
         assert blocks[1].prev_free_block is blocks[1]  # append_n linked it after itself
     else:
-        with pytest.raises(ValueError, match=rf"unpin_blocks\(\) was given block {blocks[1].block_id} "):
+        with pytest.raises(
+            ValueError, match=rf"unpin_blocks\(\) was given block {blocks[1].block_id} "
+        ):
             pool.unpin_blocks([blocks[1]], on_reuse=lambda block: None)
         assert blocks[1].ref_cnt == 1
 
@@ -250,7 +254,8 @@ def test_vllm_alone_gives_one_block_two_holders(monkeypatch):
     assert linked_ids(pool).count(block.block_id) == 1
     pool.free_blocks([])  # nothing else notices
     pool.touch([block])
-    assert block.ref_cnt == 0 and block.block_id in linked_ids(pool)
+    assert block.ref_cnt == 0
+    assert block.block_id in linked_ids(pool)
     handed = pool.get_new_blocks(pool.get_num_free_blocks())
     assert block in handed  # A holds it through touch, B through allocation: two holders
     assert block.ref_cnt == 1
@@ -261,9 +266,12 @@ def test_guard_refuses_the_duplicate_at_the_faulty_call(kind, monkeypatch):
     pool = new_pool(kind, "raise", monkeypatch)
     (block,) = pool.get_new_blocks(1)
     before = linked_ids(pool)
-    with pytest.raises(ValueError, match=rf"free_blocks\(\) was given block {block.block_id} 2 time"):
+    with pytest.raises(
+        ValueError, match=rf"free_blocks\(\) was given block {block.block_id} 2 time"
+    ):
         pool.free_blocks([block, block])
-    assert block.ref_cnt == 1 and linked_ids(pool) == before
+    assert block.ref_cnt == 1
+    assert linked_ids(pool) == before
     pool.free_blocks([block])
     assert_pool_whole(pool)
 
@@ -277,7 +285,8 @@ def test_guard_repairs_the_duplicate(kind, monkeypatch, caplog):
     assert block.ref_cnt == 1
     assert kvqueue_vllm.pool_repairs(pool)["double_free"] == 1
     (line,) = [r.getMessage() for r in caplog.records if "repaired a double free" in r.getMessage()]
-    assert f"block {block.block_id}" in line and "BlockPool.free_blocks()" in line
+    assert f"block {block.block_id}" in line
+    assert "BlockPool.free_blocks()" in line
 
 
 @pytest.mark.parametrize("policy", ["raise", "repair"])
@@ -293,14 +302,19 @@ def test_negative_count_left_by_an_unguarded_free(kind, policy, monkeypatch):
         kvqueue_vllm.install(kind)
     assert block.ref_cnt == -1
     if policy == "raise":
-        with pytest.raises(ValueError, match=rf"touch\(\) was given block {block.block_id} whose ref_cnt is -1"):
+        with pytest.raises(
+            ValueError, match=rf"touch\(\) was given block {block.block_id} whose ref_cnt is -1"
+        ):
             pool.touch([block])
-        with pytest.raises(ValueError, match=rf"get_new_blocks\(\) would hand out block {block.block_id}"):
+        with pytest.raises(
+            ValueError, match=rf"get_new_blocks\(\) would hand out block {block.block_id}"
+        ):
             pool.get_new_blocks(1)
         assert block.ref_cnt == -1
     else:
         pool.touch([block])  # taken as 0: touch unlinks it, A holds it
-        assert block.ref_cnt == 1 and block.block_id not in linked_ids(pool)
+        assert block.ref_cnt == 1
+        assert block.block_id not in linked_ids(pool)
         assert block not in pool.get_new_blocks(pool.get_num_free_blocks())
         assert kvqueue_vllm.pool_repairs(pool)["negative_ref"] == 1
 
@@ -312,13 +326,17 @@ def test_held_block_in_the_free_list_is_not_handed_out(kind, policy, monkeypatch
     head = pool.free_block_queue.fake_free_list_head.next_free_block
     head.ref_cnt += 1  # a reference taken without touch(): held, still linked
     if policy == "raise":
-        with pytest.raises(ValueError, match=rf"would hand out block {head.block_id}, which is in the free list with ref_cnt 1"):
+        with pytest.raises(
+            ValueError,
+            match=rf"hand out block {head.block_id}, which is in the free list with ref_cnt 1",
+        ):
             pool.get_new_blocks(2)
         assert linked_ids(pool)[0] == head.block_id
     else:
         assert head not in pool.get_new_blocks(2)
         assert kvqueue_vllm.pool_repairs(pool)["held_free"] == 1
-        assert head.ref_cnt == 1 and head.block_id not in linked_ids(pool)
+        assert head.ref_cnt == 1
+        assert head.block_id not in linked_ids(pool)
 
 
 @pytest.mark.parametrize("kind", KVQUEUE)
@@ -326,11 +344,14 @@ def test_another_pools_block_is_routed_and_checked_there(kind, monkeypatch):
     mine = new_pool(kind, "raise", monkeypatch)
     theirs = new_pool(kind, "raise", monkeypatch)
     (block,) = theirs.get_new_blocks(1)
-    with pytest.raises(ValueError, match=rf"block {block.block_id} 2 time.*\({NUM_BLOCKS} blocks\)") as refused:
+    with pytest.raises(
+        ValueError, match=rf"block {block.block_id} 2 time.*\({NUM_BLOCKS} blocks\)"
+    ) as refused:
         mine.free_blocks([block, block])
     assert f"{id(theirs):#x}" in str(refused.value)  # the pool that owns it refused
     mine.free_blocks([block, mine.null_block])
-    assert block.ref_cnt == 0 and block.block_id in linked_ids(theirs)
+    assert block.ref_cnt == 0
+    assert block.block_id in linked_ids(theirs)
 
 
 # -- kvqueue, on_misuse="repair": the engine keeps going, the pool stays true -----------------
@@ -350,7 +371,9 @@ def test_repair_skips_the_second_free(kind, monkeypatch):
 
 def inject(rng: random.Random, pool: Any, held: dict[int, list[Any]]) -> str | None:
     """One double free of a random form, as a buggy caller makes it; its name, or None."""
-    form = rng.choice(["in-call duplicate", "free of a free block", "untouched reference", "double unpin"])
+    form = rng.choice(
+        ["in-call duplicate", "free of a free block", "untouched reference", "double unpin"]
+    )
     free = [b for b in pool.blocks[1:] if b.ref_cnt == 0]
     # A duplicate of a block another request holds too would release that request's
     # reference: no count can tell whose it was. The duplicates are of blocks held once.
@@ -422,7 +445,12 @@ def test_repair_under_load_never_hands_a_block_to_two_holders(kind, seed, monkey
         assert sorted(b.block_id for b in queue.get_all_free_blocks()) == free
     repairs = kvqueue_vllm.pool_repairs(pool)
     assert sum(repairs.values()) == sum(forms.values()) > 100, (repairs, forms)
-    assert set(forms) == {"in-call duplicate", "free of a free block", "untouched reference", "double unpin"}
+    assert set(forms) == {
+        "in-call duplicate",
+        "free of a free block",
+        "untouched reference",
+        "double unpin",
+    }
     assert queue.repairs == dict.fromkeys(queue.repairs, 0)  # the guard saw each one first
 
 
@@ -444,7 +472,9 @@ def test_uninstall_restores_every_method_exactly():
     kvqueue_vllm.install("cython")
     guarded = set(kvqueue_vllm.status()["guarded"])
     assert guarded == {"free_blocks", "unpin_blocks", "touch", "get_new_blocks"}
-    assert {name for name, value in vars(BlockPool).items() if value is not before.get(name)} == guarded
+    assert {
+        name for name, value in vars(BlockPool).items() if value is not before.get(name)
+    } == guarded
     kvqueue_vllm.install("python", pool_guard=False)
     assert dict(vars(BlockPool)) == before
     kvqueue_vllm.install("python")

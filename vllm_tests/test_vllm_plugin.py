@@ -53,9 +53,7 @@ PROBE = textwrap.dedent(
 
 def probe(code: str = PROBE, **env: str) -> dict[str, Any]:
     clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KVQUEUE_") and k != "VLLM_PLUGINS"
+        k: v for k, v in os.environ.items() if not k.startswith("KVQUEUE_") and k != "VLLM_PLUGINS"
     }
     clean.update(env, VLLM_TARGET_DEVICE="cpu")
     done = subprocess.run(
@@ -173,7 +171,9 @@ def foreign(when: str, **env: str) -> dict[str, Any]:
 
 def test_another_projects_patch_before_the_plugin_is_refused_by_name() -> None:
     result = foreign("before")
-    assert result["error"].startswith("VLLMLayoutError: vllm.v1.core.block_pool.BlockPool.free_blocks ")
+    assert result["error"].startswith(
+        "VLLMLayoutError: vllm.v1.core.block_pool.BlockPool.free_blocks "
+    )
     assert "their_project.patches replaced it" in result["error"]
     assert "KVQUEUE_WRAP_FOREIGN=1" in result["error"]
 
@@ -182,7 +182,8 @@ def test_another_projects_patch_wrapped_when_asked() -> None:
     result = foreign("before", KVQUEUE_WRAP_FOREIGN="1")
     assert "double free" in result["refused"]
     assert result["calls"] == 1  # theirs ran once, on the valid free, after kvqueue's check
-    assert result["ref_cnt"] == 0 and result["free"] == 5
+    assert result["ref_cnt"] == 0
+    assert result["free"] == 5
 
 
 def test_another_projects_patch_after_the_plugin_wraps_the_guard() -> None:
@@ -190,9 +191,11 @@ def test_another_projects_patch_after_the_plugin_wraps_the_guard() -> None:
     assert "double free" in result["refused"]
     assert result["calls"] == 2  # theirs ran first, both times, and called kvqueue's guard
     assert result["status"]["pool_guard"] is True
-    assert result["ref_cnt"] == 0 and result["free"] == 5
+    assert result["ref_cnt"] == 0
+    assert result["free"] == 5
 
 
 def test_no_patch_refuses_nothing() -> None:
     result = foreign("none")
-    assert "double free" in result["refused"] and result["calls"] == 0
+    assert "double free" in result["refused"]
+    assert result["calls"] == 0

@@ -161,32 +161,42 @@ _WRAPPERS: dict[str, Callable[..., Any]] = {
 def _excess(
     pool: Any, blocks: list[Any], method: str, route_others: bool, policy: str
 ) -> list[Any]:
-    """``blocks`` less the occurrences that release a reference the block does not hold."""
+    """``blocks`` less the occurrences that release a reference the block does not hold.
+
+    A block linked in the free list while it holds references (one was taken without
+    ``touch()``) is unlinked under repair, so that vLLM's free links it once.
+    """
     kept: list[Any] = []
     dropped: list[Any] = []
+    linked: list[Any] = []
     given: dict[int, int] = {}
     left: dict[int, int] = {}
     for block in blocks:
-        if block.is_null or (
-            route_others and block.pool is not None and block.pool is not pool
-        ):
+        if block.is_null or (route_others and block.pool is not None and block.pool is not pool):
             kept.append(block)
             continue
         key = id(block)
+        if key not in left:
+            left[key] = block.ref_cnt
+            if block.prev_free_block is not None and block.ref_cnt > 0:
+                linked.append(block)
         given[key] = given.get(key, 0) + 1
-        refs = left.get(key, block.ref_cnt)
-        if refs < 1:
-            dropped.append(block)
-        else:
-            kept.append(block)
-        left[key] = refs - 1
+        (kept if left[key] > 0 else dropped).append(block)
+        left[key] -= 1
     if policy == "raise":
-        block = dropped[0]
+        block = (dropped + linked)[0]
+        if dropped:
+            what = f"while it holds {block.ref_cnt} reference(s)"
+        else:
+            what = f"which is in the free list already (ref_cnt {block.ref_cnt})"
         raise ValueError(
             f"{_call(method)} was given block {block.block_id} {given[id(block)]} time(s) "
-            f"while it holds {block.ref_cnt} reference(s): a double free (its ref_cnt would "
-            f"go below 0); nothing was freed. {_where(pool)}"
+            f"{what}: a double free; nothing was freed. {_where(pool)}"
         )
+    queue = pool.free_block_queue
+    for block in linked:
+        queue.remove(block)
+        _repaired(pool, method, block, "held_free")
     for block in dropped:
         _repaired(pool, method, block, "double_free")
     return kept

@@ -21,7 +21,8 @@ cdef struct _Seen:
 
 def first_excess(list blocks, object pool, bint route_others):
     """The index of the first occurrence in ``blocks`` that would take its block's
-    ``ref_cnt`` below 0 if each occurrence released one reference, or -1; O(len(blocks)).
+    ``ref_cnt`` below 0 if each occurrence released one reference, or that releases
+    a block linked in a free list, or -1; O(len(blocks)).
 
     Null blocks are skipped (vLLM keeps no count for them). With ``route_others``,
     so are blocks whose ``pool`` is another pool: vLLM hands those to their own
@@ -55,6 +56,10 @@ def first_excess(list blocks, object pool, bint route_others):
             while seen[slot].block is not NULL and seen[slot].block != <PyObject *>block:
                 slot = (slot + 1) & mask
             if seen[slot].block is NULL:
+                # A block in the free list is free, whatever its count says.
+                if block.prev_free_block is not None:
+                    found = i
+                    break
                 refs = block.ref_cnt
                 if refs < 1:
                     found = i

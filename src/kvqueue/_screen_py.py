@@ -15,7 +15,8 @@ __all__ = ("first_excess", "first_held_free", "first_negative")
 
 def first_excess(blocks: list[Any], pool: object, route_others: bool) -> int:
     """The index of the first occurrence in ``blocks`` that would take its block's
-    ``ref_cnt`` below 0 if each occurrence released one reference, or -1; O(len(blocks)).
+    ``ref_cnt`` below 0 if each occurrence released one reference, or that releases
+    a block linked in a free list, or -1; O(len(blocks)).
 
     Null blocks are skipped (vLLM keeps no count for them). With ``route_others``,
     so are blocks whose ``pool`` is another pool: vLLM hands those to their own
@@ -34,6 +35,9 @@ def first_excess(blocks: list[Any], pool: object, route_others: bool) -> int:
         key = id(block)
         refs = left.get(key)
         if refs is None:
+            # A block in the free list is free, whatever its count says.
+            if block.prev_free_block is not None:
+                return i
             refs = block.ref_cnt
         if refs < 1:
             return i

@@ -283,10 +283,7 @@ def _foreign_queue(original: type, pool_name: object) -> str | None:
     for attribute, value in vars(original).items():
         module = getattr(value, "__module__", _UTILS)
         if callable(value) and module != _UTILS:
-            return (
-                f"{_UTILS}.{_NAME}.{attribute} is not vLLM's own: "
-                f"{_describe(value)} replaced it"
-            )
+            return f"{_UTILS}.{_NAME}.{attribute} is not vLLM's own: {_describe(value)} replaced it"
     return None
 
 
@@ -309,8 +306,8 @@ def _guard(pool_class: type, screen: ModuleType, wrap_foreign: bool) -> dict[str
 def _pool_policy(pool: Any) -> _policy.MisusePolicy:
     """A pool guard's policy: its queue's, else install()'s (or the environment's)."""
     policy = getattr(pool.free_block_queue, "on_misuse", None)
-    if policy == "raise" or policy == "repair":
-        return policy  # type: ignore[return-value]
+    if policy in ("raise", "repair"):
+        return _policy.resolve(policy)
     state = _state()
     return _policy.resolve(state.on_misuse if state is not None else None)
 
@@ -461,11 +458,12 @@ class _ToVLLMLog(logging.Handler):
         target = logging.getLogger("vllm")
         if target.handlers:
             target.handle(record)
-        elif not logging.getLogger().handlers and logging.lastResort is not None:
-            # Before vLLM configures its logging (or with VLLM_CONFIGURE_LOGGING=0),
+        else:
+            # Before vLLM configures its logging (or with VLLM_CONFIGURE_LOGGING=0):
             # what Python does for a logger without handlers.
-            if record.levelno >= logging.lastResort.level:
-                logging.lastResort.handle(record)
+            last = logging.lastResort
+            if not logging.getLogger().handlers and last and record.levelno >= last.level:
+                last.handle(record)
 
 
 def _forward_to_vllm_log(on: bool) -> None:

@@ -1,0 +1,150 @@
+"""The pool guard's screens (``_screen.pyx`` / ``_screen_py.py``): one suite, both twins,
+against an oracle that counts occurrences the slow way."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+import sys
+from types import ModuleType
+from typing import Any, ClassVar
+
+import pytest
+
+POOL = object()
+OTHER = object()
+
+
+class Block:
+    """A vLLM-shaped block: only what the screens read."""
+
+    def __init__(self, ref_cnt: int, *, is_null: bool = False, pool: object = POOL) -> None:
+        self.ref_cnt = ref_cnt
+        self.is_null = is_null
+        self.pool = pool
+        self.prev_free_block: Any = None
+        self.next_free_block: Any = None
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("kvqueue._screen", id="c", marks=pytest.mark.c_extension),
+        pytest.param("kvqueue._screen_py", id="py"),
+    ],
+)
+def screen(request: pytest.FixtureRequest) -> ModuleType:
+    return importlib.import_module(request.param)
+
+
+def oracle(blocks: list[Block], route_others: bool) -> int:
+    for i, block in enumerate(blocks):
+        if block.is_null or (route_others and block.pool not in (None, POOL)):
+            continue
+        first = not any(b is block for b in blocks[:i])
+        if first and block.prev_free_block is not None:
+            return i
+        if sum(b is block for b in blocks[: i + 1]) > block.ref_cnt:
+            return i
+    return -1
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_first_excess_matches_the_oracle(screen: ModuleType, seed: int) -> None:
+    rng = random.Random(seed)
+    distinct = [
+        Block(
+            rng.choice([-1, 0, 1, 1, 2, 3]),
+            is_null=rng.random() < 0.1,
+            pool=rng.choice([POOL, POOL, POOL, None, OTHER]),
+        )
+        for _ in range(rng.randint(1, 12))
+    ]
+    for block in distinct:
+        if rng.random() < 0.1:
+            block.prev_free_block = Block(0)  # linked in a free list
+    blocks = [rng.choice(distinct) for _ in range(rng.randint(0, 40))]
+    for route_others in (True, False):
+        assert screen.first_excess(blocks, POOL, route_others) == oracle(blocks, route_others)
+
+
+def test_first_excess_many_copies(screen: ModuleType) -> None:
+    block = Block(5)
+    blocks = [block] * 20_000
+    before = sys.getrefcount(block)
+    assert screen.first_excess(blocks, POOL, True) == 5
+    assert screen.first_excess(blocks[:5], POOL, True) == -1
+    assert sys.getrefcount(block) == before
+    assert screen.first_excess([Block(10**30)] * 3, POOL, True) == -1
+
+
+class Shrinking(Block):
+    """A block whose ``is_null`` read empties the list being screened."""
+
+    victim: ClassVar[list[Any]] = []
+
+    @property
+    def is_null(self) -> bool:
+        self.victim.clear()
+        return False
+
+    @is_null.setter
+    def is_null(self, value: bool) -> None:
+        pass
+
+
+def test_code_run_by_a_block_cannot_crash_a_screen(screen: ModuleType) -> None:
+    blocks: list[Any] = [Block(1), Shrinking(1), Block(0), Block(0)]
+    Shrinking.victim = blocks
+    assert screen.first_excess(blocks, POOL, True) == -1  # the list ended under it
+    assert blocks == []
+
+
+class Raising(Block):
+    @property
+    def ref_cnt(self) -> int:
+        raise LookupError("ref_cnt")
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        pass
+
+
+def test_a_raising_block_raises_through(screen: ModuleType) -> None:
+    held = Block(1)
+    before = sys.getrefcount(held)
+    with pytest.raises(LookupError, match="ref_cnt"):
+        screen.first_excess([held, Raising(1)], POOL, True)
+    assert sys.getrefcount(held) == before  # the table's references were given back
+    with pytest.raises(LookupError):
+        screen.first_negative([Raising(1)])
+
+
+def test_first_negative(screen: ModuleType) -> None:
+    assert screen.first_negative([]) == -1
+    assert screen.first_negative([Block(0), Block(-1, is_null=True), Block(-2)]) == 2
+    assert screen.first_negative((Block(1), Block(0))) == -1
+
+
+def test_first_held_free(screen: ModuleType) -> None:
+    head, *blocks = [Block(0) for _ in range(5)]
+    for left, right in zip([head, *blocks], blocks, strict=False):
+        left.next_free_block = right
+    assert screen.first_held_free(head, 4) is None
+    blocks[2].ref_cnt = 1
+    assert screen.first_held_free(head, 2) is None
+    assert screen.first_held_free(head, 3) is blocks[2]
+    blocks[0].ref_cnt = -1
+    assert screen.first_held_free(head, 4) is blocks[0]
+    assert screen.first_held_free(head, 0) is None
+
+
+def test_twins_document_the_same_contract(screen: ModuleType) -> None:
+    import kvqueue._screen_py as pure
+
+    assert screen.__all__ == pure.__all__
+    for name in pure.__all__:
+        # The compiled docstring starts with its signature (embedsignature).
+        doc = inspect.cleandoc(getattr(screen, name).__doc__)
+        assert doc.endswith(inspect.cleandoc(getattr(pure, name).__doc__)), name
