@@ -512,3 +512,59 @@ def test_plugin_entry_point_is_installed() -> None:
 
     points = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert points.get("kvqueue") == "kvqueue.vllm:plugin"
+
+
+def test_a_module_imported_after_install_is_switched_and_restored(
+    fake: FakeVllm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vllm.* module that took the name from kvqueue's stand-in, after install()."""
+    from kvqueue import _queue_py
+
+    first = kv_vllm.install("python", on_misuse="raise")
+    late = _module("vllm.v1.core.late", FreeKVCacheBlockQueue=fake.utils.FreeKVCacheBlockQueue)
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    assert _builds(late.FreeKVCacheBlockQueue) is first is _queue_py.FreeKVCacheBlockQueue
+    kv_vllm.install("python", on_misuse="repair")
+    assert late.FreeKVCacheBlockQueue is fake.utils.FreeKVCacheBlockQueue
+    assert late.FreeKVCacheBlockQueue.on_misuse == "repair"
+    kv_vllm.uninstall()
+    assert late.FreeKVCacheBlockQueue is VllmQueue
+
+
+def test_plugin_keeps_an_applications_policy(
+    fake: FakeVllm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVQUEUE_ON_MISUSE unset: the policy the application gave install() stays."""
+    kv_vllm.install("python", on_misuse="repair")
+    monkeypatch.setenv(kv_vllm.ENV, "python")
+    monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
+    kv_vllm.plugin()
+    assert kv_vllm.installed_policy() == "repair"
+    monkeypatch.setenv("KVQUEUE_ON_MISUSE", "raise")
+    kv_vllm.plugin()  # the environment, set, decides
+    assert kv_vllm.installed_policy() == "raise"
+
+
+@pytest.mark.parametrize("value", ["yes", "true", " 0", "2"])
+def test_plugin_refuses_unknown_guard_switch(
+    fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(kv_vllm.ENV, "python")
+    monkeypatch.setenv(kv_vllm.POOL_GUARD_ENV, value)
+    with pytest.raises(ValueError, match="KVQUEUE_POOL_GUARD must be 1 or 0"):
+        kv_vllm.plugin()
+    assert kv_vllm.installed() is None
+
+
+def test_reload_keeps_track_of_the_patch(fake: FakeVllm) -> None:
+    import importlib
+
+    from kvqueue import _queue_py
+
+    kv_vllm.install("python")
+    reloaded = importlib.reload(kv_vllm)
+    assert reloaded.installed() == "python"
+    reloaded.install("python", on_misuse="repair")
+    assert fake.bindings() == (_queue_py.FreeKVCacheBlockQueue,) * 2
+    assert reloaded.uninstall() is True
+    assert fake.bindings() == (VllmQueue, VllmQueue)

@@ -412,7 +412,7 @@ def plugin() -> None:
     Raises ValueError for another value of any of these variables, and whatever
     :func:`install` raises: asked for kvqueue, vLLM does not start without it.
     """
-    choice = os.environ.get(ENV, "").strip().lower()
+    choice = os.environ.get(ENV, "")
     if choice in ("", "0"):
         return
     if choice not in _PLUGIN_CHOICES:
@@ -443,7 +443,7 @@ def plugin() -> None:
 
 
 def _flag(variable: str, *, default: bool) -> bool:
-    value = os.environ.get(variable, "").strip()
+    value = os.environ.get(variable, "")
     if value == "":
         return default
     if value in ("0", "1"):
