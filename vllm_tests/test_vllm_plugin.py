@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -199,3 +200,75 @@ def test_no_patch_refuses_nothing() -> None:
     result = foreign("none")
     assert "double free" in result["refused"]
     assert result["calls"] == 0
+
+
+VLLM_LOG = textwrap.dedent(
+    """
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+    configure_logging(LoggingConfig())  # as vLLM's engine processes do at start
+    import vllm.plugins
+    vllm.plugins.load_general_plugins()
+    from vllm.v1.core.block_pool import BlockPool
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block, block])
+    """
+)
+
+
+def test_kvqueue_lines_in_vllms_own_log() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVQUEUE_")}
+    env.update(KVQUEUE_VLLM="cython", KVQUEUE_ON_MISUSE="repair", VLLM_TARGET_DEVICE="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", VLLM_LOG], env=env, capture_output=True, text=True, check=True
+    )
+    lines = [
+        line
+        for line in (done.stdout + done.stderr).splitlines()
+        if "kvqueue" in line or "BlockPool" in line
+    ]
+    vllm_format = r"\(MainProcess pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
+    assert re.fullmatch(
+        vllm_format.format("INFO", r"vllm\.py") + r"kvqueue \S+ active: vLLM's free block queue "
+        r"is kvqueue's cython twin, pool guard on \(.*free_blocks.*\), on_misuse=repair",
+        lines[0],
+    ), lines
+    assert re.fullmatch(
+        vllm_format.format("WARNING", r"_pool_guard\.py")
+        + r"BlockPool\.free_blocks\(\) repaired a double free \(double_free #1 on this pool\): "
+        r"block 1: .* called from <string>:10 in <module>",
+        lines[1],
+    ), lines
+
+
+def diagnose(**env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "VLLM_PLUGINS"))}
+    clean.update(env, VLLM_TARGET_DEVICE="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "kvqueue", "--json"], env=clean, capture_output=True, text=True
+    )
+
+
+def test_python_m_kvqueue_with_the_plugin_on() -> None:
+    done = diagnose(KVQUEUE_VLLM="python", KVQUEUE_ON_MISUSE="repair")
+    assert done.returncode == 0, done.stdout + done.stderr
+    vllm = json.loads(done.stdout)["vllm"]
+    assert vllm["accepted"] is True
+    assert vllm["plugin_loaded_by_vllm"] is True
+    assert vllm["plugin"] == {
+        "implementation": "python",
+        "on_misuse": "repair",
+        "pool_guard": True,
+        "wrap_foreign": False,
+    }
+
+
+def test_python_m_kvqueue_says_when_vllm_will_not_call_it() -> None:
+    done = diagnose(KVQUEUE_VLLM="1", VLLM_PLUGINS="other")
+    assert done.returncode == 1
+    (problem,) = json.loads(done.stdout)["problems"]
+    assert problem == (
+        "KVQUEUE_VLLM=1 but vLLM will not call kvqueue's plugin "
+        "(VLLM_PLUGINS does not name kvqueue)"
+    )

@@ -32,7 +32,7 @@ from typing import Any
 
 from . import _policy
 
-__all__ = ("GUARDED", "KINDS", "ForeignPatch", "guard", "pool_repairs", "unguard")
+__all__ = ("GUARDED", "KINDS", "ForeignPatch", "guard", "originals", "pool_repairs", "unguard")
 
 #: The methods guarded, in the order a request meets them.
 GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
@@ -64,15 +64,13 @@ def pool_repairs(pool: object) -> dict[str, int]:
     return dict(_repairs.get(pool) or dict.fromkeys(KINDS, 0))
 
 
-def guard(
-    pool_class: type, screen: ModuleType, policy_of: PolicyOf, *, wrap_foreign: bool
-) -> dict[str, Any]:
-    """Replace each guarded method ``pool_class`` has with its guard; return the originals.
+def originals(pool_class: type, *, wrap_foreign: bool) -> dict[str, Any]:
+    """The methods the guard would wrap, by name: vLLM's own (or what is there).
 
-    Raises ForeignPatch (and changes nothing) if a method is neither vLLM's own nor
-    kvqueue's guard, unless ``wrap_foreign``: then the guard wraps what is there.
+    Raises ForeignPatch if a method is neither vLLM's own nor kvqueue's guard, unless
+    ``wrap_foreign``: then the guard wraps what is there.
     """
-    originals: dict[str, Any] = {}
+    found_methods: dict[str, Any] = {}
     for name in GUARDED:
         found = pool_class.__dict__.get(name)
         if found is None:
@@ -85,10 +83,19 @@ def guard(
             or getattr(found, "__qualname__", None) != own
         ):
             raise ForeignPatch(f"{pool_class.__module__}.{own}", found)
-        originals[name] = found
-    for name, original in originals.items():
+        found_methods[name] = found
+    return found_methods
+
+
+def guard(
+    pool_class: type, screen: ModuleType, policy_of: PolicyOf, *, wrap_foreign: bool
+) -> dict[str, Any]:
+    """Replace each guarded method ``pool_class`` has with its guard; return the originals.
+    Raises as :func:`originals` does, before it changes anything."""
+    replaced = originals(pool_class, wrap_foreign=wrap_foreign)
+    for name, original in replaced.items():
         setattr(pool_class, name, _WRAPPERS[name](original, screen, policy_of))
-    return originals
+    return replaced
 
 
 def unguard(pool_class: type, originals: dict[str, Any]) -> None:

@@ -53,11 +53,13 @@ __all__ = (
     "POOL_GUARD_ENV",
     "WRAP_FOREIGN_ENV",
     "VLLMLayoutError",
+    "check",
     "install",
     "installed",
     "installed_policy",
     "patched",
     "plugin",
+    "plugin_settings",
     "pool_repairs",
     "status",
     "uninstall",
@@ -297,10 +299,14 @@ def _guard(pool_class: type, screen: ModuleType, wrap_foreign: bool) -> dict[str
     try:
         return _pool_guard.guard(pool_class, screen, _pool_policy, wrap_foreign=wrap_foreign)
     except _pool_guard.ForeignPatch as exc:
-        raise VLLMLayoutError(
-            f"{exc}; kvqueue would bypass or double that patch. install(wrap_foreign=True) "
-            "(KVQUEUE_WRAP_FOREIGN=1) has kvqueue's guard wrap it"
-        ) from None
+        raise _foreign_method(exc) from None
+
+
+def _foreign_method(exc: _pool_guard.ForeignPatch) -> VLLMLayoutError:
+    return VLLMLayoutError(
+        f"{exc}; kvqueue would bypass or double that patch. install(wrap_foreign=True) "
+        "(KVQUEUE_WRAP_FOREIGN=1) has kvqueue's guard wrap it"
+    )
 
 
 def _pool_policy(pool: Any) -> _policy.MisusePolicy:
@@ -399,6 +405,46 @@ def patched(
             )
 
 
+def check(implementation: Implementation = "auto", *, wrap_foreign: bool = False) -> None:
+    """Raise what :func:`install` would raise on this vLLM, changing nothing.
+
+    A no-op when kvqueue is installed already (that install was checked).
+    """
+    queue_class, name = _queue_class(implementation)
+    with _lock:
+        if _state() is not None:
+            return
+        state = _checked(True, wrap_foreign, queue_class, name, None)
+        try:
+            _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
+        except _pool_guard.ForeignPatch as exc:
+            raise _foreign_method(exc) from None
+
+
+def plugin_settings() -> dict[str, Any] | None:
+    """What :func:`plugin` would install, read from the environment; None: nothing.
+
+    Keys: ``implementation``, ``on_misuse`` (None: each queue reads ``KVQUEUE_ON_MISUSE``,
+    or an application's own :func:`install` policy stays), ``pool_guard``, ``wrap_foreign``.
+    Raises ValueError, naming the variable and its values, for a value none of them takes.
+    """
+    choice = os.environ.get(ENV, "")
+    if choice in ("", "0"):
+        return None
+    if choice not in _PLUGIN_CHOICES:
+        raise ValueError(
+            f"{ENV} must be one of {', '.join(sorted(_PLUGIN_CHOICES))} (or unset, 0), "
+            f"not {choice!r}"
+        )
+    policy = _policy.resolve(None) if os.environ.get(_policy.ENV) else installed_policy()
+    return {
+        "implementation": _PLUGIN_CHOICES[choice],
+        "on_misuse": policy,
+        "pool_guard": _flag(POOL_GUARD_ENV, default=True),
+        "wrap_foreign": _flag(WRAP_FOREIGN_ENV, default=False),
+    }
+
+
 def plugin() -> None:
     """vLLM's ``vllm.general_plugins`` entry point: :func:`install` if ``KVQUEUE_VLLM`` says so.
 
@@ -406,28 +452,18 @@ def plugin() -> None:
     ``python``: installs that implementation, with the policy ``KVQUEUE_ON_MISUSE`` names
     (read now, to fail at startup rather than at the first queue; unset keeps a policy an
     application gave :func:`install` itself), the pool guard unless ``KVQUEUE_POOL_GUARD=0``,
-    and ``wrap_foreign`` if ``KVQUEUE_WRAP_FOREIGN=1``. Logs one line in vLLM's log when it
-    activates. Safe to call again: a repeated call with the same settings changes nothing.
+    and ``wrap_foreign`` if ``KVQUEUE_WRAP_FOREIGN=1`` (:func:`plugin_settings`). Logs one
+    line in vLLM's log when it activates. Safe to call again: a repeated call with the same
+    settings changes nothing.
 
     Raises ValueError for another value of any of these variables, and whatever
     :func:`install` raises: asked for kvqueue, vLLM does not start without it.
     """
-    choice = os.environ.get(ENV, "")
-    if choice in ("", "0"):
+    settings = plugin_settings()
+    if settings is None:
         return
-    if choice not in _PLUGIN_CHOICES:
-        raise ValueError(
-            f"{ENV} must be one of {', '.join(sorted(_PLUGIN_CHOICES))} (or unset, 0), "
-            f"not {os.environ[ENV]!r}"
-        )
-    guard = _flag(POOL_GUARD_ENV, default=True)
-    wrap_foreign = _flag(WRAP_FOREIGN_ENV, default=False)
-    if os.environ.get(_policy.ENV):
-        policy: _policy.MisusePolicy | None = _policy.resolve(None)
-    else:
-        policy = installed_policy()
     before = status()
-    install(_PLUGIN_CHOICES[choice], on_misuse=policy, pool_guard=guard, wrap_foreign=wrap_foreign)
+    install(**settings)
     after = status()
     if after != before:
         import kvqueue

@@ -1,0 +1,61 @@
+"""``python -m kvqueue``: the report, and its exit status, in a fresh interpreter each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "VLLM_"))}
+    clean.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvqueue", *args], env=clean, capture_output=True, text=True
+    )
+
+
+def report(**env: str) -> dict[str, Any]:
+    done = run("--json", **env)
+    result: dict[str, Any] = json.loads(done.stdout)
+    assert done.returncode == (1 if result["problems"] else 0)
+    return result
+
+
+def test_plain_report_names_every_variable() -> None:
+    done = run()
+    assert done.returncode == 0, done.stderr
+    import kvqueue
+
+    assert done.stdout.startswith(f"kvqueue {kvqueue.__version__} (")
+    for name in ("KVQUEUE_PURE", "KVQUEUE_ON_MISUSE", "KVQUEUE_VLLM", "KVQUEUE_POOL_GUARD"):
+        assert f"  {name} unset " in done.stdout
+
+
+def test_help() -> None:
+    done = run("--help")
+    assert done.returncode == 0
+    assert "--json" in done.stdout
+
+
+@pytest.mark.c_extension
+def test_says_which_twin_and_why() -> None:
+    assert report()["implementation"] == "cython"
+    pure = report(KVQUEUE_PURE="1")
+    assert (pure["implementation"], pure["why"]) == ("python", "KVQUEUE_PURE is set")
+
+
+def test_a_bad_policy_is_a_problem() -> None:
+    result = report(KVQUEUE_ON_MISUSE="fix")
+    assert result["problems"] == ["KVQUEUE_ON_MISUSE must be 'raise' or 'repair', not 'fix'"]
+
+
+def test_asking_for_vllm_without_it_is_a_problem() -> None:
+    result = report(KVQUEUE_VLLM="1")
+    if result["vllm"]["installed"]:
+        pytest.skip("vLLM is installed here (vllm_tests/ covers that case)")
+    assert result["problems"] == ["KVQUEUE_VLLM=1 but vLLM is not installed"]
