@@ -235,7 +235,7 @@ def test_uninstall_leaves_a_later_patch_alone(fake: FakeVllm) -> None:
     assert fake.bindings() == (VllmQueue, Theirs)
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.30.1", "0.33.1rc1", "0.31.0.dev12+g0abc"])
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1rc1", "0.33.0.dev12+g0abc"])
 def test_known_versions(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     fake = FakeVllm(monkeypatch, version=version)
     queue_class = kv_vllm.install("python")
@@ -249,10 +249,10 @@ def _assert_refused(fake: FakeVllm, match: str, **kwargs: Any) -> None:
     assert kv_vllm.installed() is None
 
 
-@pytest.mark.parametrize("version", ["0.29.9", "0.34.0", "1.0.0", "dev", "0", ""])
+@pytest.mark.parametrize("version", ["0.30.1", "0.32.0", "0.34.0", "1.0.0", "dev", "0", ""])
 def test_unknown_version_refused(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     fake = FakeVllm(monkeypatch, version=version)
-    _assert_refused(fake, "knows the block layout of vLLM 0.30")
+    _assert_refused(fake, "knows the block layout of vLLM 0.33,")
     # The version check alone can be skipped; the layout is still checked.
     assert kv_vllm.install("python", check_version=False) is not None
     assert fake.utils.FreeKVCacheBlockQueue is not VllmQueue

@@ -12,7 +12,7 @@ own default is ``kvqueue.KVCacheBlock``). Queues built through the name get the
 kvqueue; pools built before keep the queue they have.
 
 Before it patches anything, :func:`install` checks the installed vLLM: its
-version must be one whose block layout is known (0.30 to 0.33), its
+version must be one whose own test suites kvqueue runs (0.33), its
 ``KVCacheBlock`` must have exactly the known fields with ``__slots__`` links,
 and every public method of vLLM's queue must exist on kvqueue's. Anything else
 raises :class:`VLLMLayoutError` and leaves vLLM untouched.
@@ -67,9 +67,9 @@ __all__ = (
 
 Implementation = Literal["auto", "cython", "python"]
 
-#: The vLLM minor versions whose ``KVCacheBlock`` / ``BlockPool`` layout kvqueue knows
-#: (0.30 and 0.33 were checked against their source; the field check below guards any other).
-KNOWN_VERSIONS: tuple[tuple[int, int], ...] = ((0, 30), (0, 31), (0, 32), (0, 33))
+#: The vLLM minor versions whose own test suites pass with kvqueue installed (vllm_tests/):
+#: only what is tested is accepted; ``install(check_version=False)`` tries another.
+KNOWN_VERSIONS: tuple[tuple[int, int], ...] = ((0, 33),)
 
 #: ``dataclasses.fields(vllm.v1.core.kv_cache_utils.KVCacheBlock)``, in order.
 KNOWN_BLOCK_FIELDS: tuple[str, ...] = (
@@ -578,7 +578,8 @@ def _check_version(vllm: ModuleType) -> None:
     if _parse_version(version) not in KNOWN_VERSIONS:
         known = ", ".join(f"{major}.{minor}" for major, minor in KNOWN_VERSIONS)
         raise VLLMLayoutError(
-            f"kvqueue.vllm knows the block layout of vLLM {known}, not of vLLM {version}; "
+            f"kvqueue.vllm knows the block layout of vLLM {known}, not of vLLM {version}: "
+            "only the vLLM versions whose own tests pass with kvqueue are accepted; "
             "install(check_version=False) skips the version check (the block class's "
             "fields are still checked)"
         )
