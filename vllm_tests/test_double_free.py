@@ -16,6 +16,7 @@ vllm_tests/DOUBLE_FREE.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -481,3 +482,35 @@ def test_uninstall_restores_every_method_exactly():
     kvqueue_vllm.uninstall()
     assert all(vars(BlockPool)[name] is value for name, value in before.items())
     assert set(vars(BlockPool)) == set(before)
+
+
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_a_log_handler_that_calls_back_into_the_pool(kind, monkeypatch):
+    """The repair's log line is written once vLLM's method has run: a handler that frees
+    and allocates (guarded calls themselves) finds the pool whole and keeps it whole."""
+    pool = new_pool(kind, "repair", monkeypatch, num_blocks=16)
+    held = pool.get_new_blocks(4)
+    seen: list[int] = []
+    # A new rate-limit window: the tests before this one used up the last one's lines.
+    monkeypatch.setattr("kvqueue._policy._window_start", float("-inf"))
+
+    class Reentrant(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(pool.get_num_free_blocks())
+            if len(seen) == 1:
+                (extra,) = pool.get_new_blocks(1)
+                pool.free_blocks([extra, extra, held[3]])  # a second double free, nested
+
+    handler = Reentrant()
+    logger = logging.getLogger("kvqueue")
+    logger.addHandler(handler)
+    try:
+        pool.free_blocks([held[0], held[0], held[1]])
+    finally:
+        logger.removeHandler(handler)
+    assert seen[0] == 16 - 1 - 4 + 2  # the outer free was done when its line was written
+    assert kvqueue_vllm.pool_repairs(pool)["double_free"] == 2
+    assert [b.ref_cnt for b in held] == [0, 0, 1, 0]
+    free = truly_free(pool)
+    assert sorted(linked_ids(pool)) == free
+    assert pool.get_num_free_blocks() == len(free) == 16 - 1 - 1

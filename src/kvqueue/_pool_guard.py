@@ -120,9 +120,14 @@ def _free_guard(route_others: bool) -> Callable[..., Callable[..., Any]]:
             # vLLM iterates its argument once; a list made here is what it iterates,
             # so what was screened is what is freed.
             blocks = list(blocks)
-            if first_excess(blocks, self, route_others) >= 0:
-                blocks = _excess(self, blocks, method, route_others, policy_of(self))
-            return original(self, blocks, *args, **kwargs)
+            if first_excess(blocks, self, route_others) < 0:
+                return original(self, blocks, *args, **kwargs)
+            notes: list[_Note] = []
+            blocks = _excess(self, blocks, method, route_others, policy_of(self), notes)
+            try:
+                return original(self, blocks, *args, **kwargs)
+            finally:
+                _log(notes)
 
         return _mark(original, guarded)
 
@@ -135,9 +140,14 @@ def _touch_guard(original: Callable[..., Any], screen: ModuleType, policy_of: Po
     def touch(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = list(blocks)
         i = first_negative(blocks)
-        if i >= 0:
-            _negative(self, blocks, i, policy_of(self))
-        return original(self, blocks, *args, **kwargs)
+        if i < 0:
+            return original(self, blocks, *args, **kwargs)
+        notes: list[_Note] = []
+        _negative(self, blocks, i, policy_of(self), notes)
+        try:
+            return original(self, blocks, *args, **kwargs)
+        finally:
+            _log(notes)
 
     return _mark(original, touch)
 
@@ -151,7 +161,12 @@ def _alloc_guard(original: Callable[..., Any], screen: ModuleType, policy_of: Po
         if type(num_blocks) is int and 0 < num_blocks <= queue.num_free_blocks:
             block = first_held_free(queue.fake_free_list_head, num_blocks)
             if block is not None:
-                _held_free(self, queue, num_blocks, block, first_held_free, policy_of(self))
+                notes: list[_Note] = []
+                _held_free(self, num_blocks, block, first_held_free, policy_of(self), notes)
+                try:
+                    return original(self, num_blocks, *args, **kwargs)
+                finally:
+                    _log(notes)
         return original(self, num_blocks, *args, **kwargs)
 
     return _mark(original, get_new_blocks)
@@ -166,7 +181,12 @@ _WRAPPERS: dict[str, Callable[..., Any]] = {
 
 
 def _excess(
-    pool: Any, blocks: list[Any], method: str, route_others: bool, policy: str
+    pool: Any,
+    blocks: list[Any],
+    method: str,
+    route_others: bool,
+    policy: str,
+    notes: list[_Note],
 ) -> list[Any]:
     """``blocks`` less the occurrences that release a reference the block does not hold.
 
@@ -203,13 +223,13 @@ def _excess(
     queue = pool.free_block_queue
     for block in linked:
         queue.remove(block)
-        _repaired(pool, method, block, "held_free")
+        _repaired(pool, method, block, "held_free", notes)
     for block in dropped:
-        _repaired(pool, method, block, "double_free")
+        _repaired(pool, method, block, "double_free", notes)
     return kept
 
 
-def _negative(pool: Any, blocks: list[Any], first: int, policy: str) -> None:
+def _negative(pool: Any, blocks: list[Any], first: int, policy: str, notes: list[_Note]) -> None:
     if policy == "raise":
         block = blocks[first]
         raise ValueError(
@@ -221,16 +241,16 @@ def _negative(pool: Any, blocks: list[Any], first: int, policy: str) -> None:
     for block in blocks[first:]:
         if not block.is_null and block.ref_cnt < 0:
             block.ref_cnt = 0
-            _repaired(pool, "touch", block, "negative_ref")
+            _repaired(pool, "touch", block, "negative_ref", notes)
 
 
 def _held_free(
     pool: Any,
-    queue: Any,
     num_blocks: int,
     block: Any,
     first_held_free: Callable[[Any, int], Any],
     policy: str,
+    notes: list[_Note],
 ) -> None:
     if policy == "raise":
         raise ValueError(
@@ -238,34 +258,40 @@ def _held_free(
             f"the free list with ref_cnt {block.ref_cnt} (0 for a free block): a double free "
             f"made it both free and held; nothing was allocated. {_where(pool)}"
         )
+    queue = pool.free_block_queue
     while block is not None:
         if block.ref_cnt > 0:
             queue.remove(block)
-            _repaired(pool, "get_new_blocks", block, "held_free")
+            _repaired(pool, "get_new_blocks", block, "held_free", notes)
         else:
             block.ref_cnt = 0
-            _repaired(pool, "get_new_blocks", block, "negative_ref")
+            _repaired(pool, "get_new_blocks", block, "negative_ref", notes)
         num_blocks = min(num_blocks, queue.num_free_blocks)
         block = first_held_free(queue.fake_free_list_head, num_blocks)
 
 
-def _repaired(pool: Any, method: str, block: Any, kind: str) -> None:
+# A repair to log: (message arguments). Logged once vLLM's method has run, so that
+# a logging handler that calls back into the pool finds it whole.
+_Note = tuple[Any, ...]
+
+
+def _repaired(pool: Any, method: str, block: Any, kind: str, notes: list[_Note]) -> None:
     counts = _repairs.get(pool)
     if counts is None:
         counts = _repairs[pool] = dict.fromkeys(KINDS, 0)
     counts[kind] += 1
-    unlogged = _policy.admit()
-    if unlogged is not None:
-        _policy.logger.warning(
-            "%s repaired a double free (%s #%d on this pool): block %s: %s. %s%s",
-            _call(method),
-            kind,
-            counts[kind],
-            block.block_id,
-            KINDS[kind],
-            _where(pool),
-            _policy.unlogged_note(unlogged),
-        )
+    notes.append((_call(method), kind, counts[kind], block.block_id, KINDS[kind], _where(pool)))
+
+
+def _log(notes: list[_Note]) -> None:
+    for note in notes:
+        unlogged = _policy.admit()
+        if unlogged is not None:
+            _policy.logger.warning(
+                "%s repaired a double free (%s #%d on this pool): block %s: %s. %s%s",
+                *note,
+                _policy.unlogged_note(unlogged),
+            )
 
 
 def _call(method: str) -> str:
