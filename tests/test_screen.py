@@ -138,6 +138,9 @@ def test_first_held_free(screen: ModuleType) -> None:
     blocks[0].ref_cnt = -1
     assert screen.first_held_free(head, 4) is blocks[0]
     assert screen.first_held_free(head, 0) is None
+    blocks[0].ref_cnt = 0
+    blocks[2].ref_cnt = 0
+    assert screen.first_held_free(head, 10) is None  # past the last link
 
 
 def test_twins_document_the_same_contract(screen: ModuleType) -> None:

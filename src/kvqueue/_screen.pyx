@@ -92,10 +92,14 @@ def first_negative(blocks):
 
 def first_held_free(object head, Py_ssize_t n):
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
-    whose ``ref_cnt`` is not 0, or None; O(n). The list must hold ``n`` blocks."""
+    whose ``ref_cnt`` is not 0, or None; O(n). A link that is None ends the walk."""
     cdef object block = head
     for _ in range(n):
         block = block.next_free_block
+        # A count assigned above the list's length (vLLM's tests fake a full cache so)
+        # ends the walk at the tail: what vLLM then does is vLLM's.
+        if block is None:
+            return None
         if block.ref_cnt != 0:
             return block
     return None
