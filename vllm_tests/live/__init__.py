@@ -6,3 +6,10 @@ block pool after every step and the double-free injector, ``driver`` starts the 
 user does (one engine per process, its result as JSON). ``demo``, ``throughput`` and the tests
 in ``vllm_tests/test_live_engine.py`` run the driver.
 """
+
+#: The engine core's journal file (JSON lines), written by ``live.scheduler``.
+JOURNAL = "_KVQUEUE_TEST_JOURNAL"
+#: ``A``, ``B`` or ``AB``: the double-free forms ``live.scheduler`` injects.
+INJECT = "_KVQUEUE_TEST_INJECT"
+#: How many of each form (default 1).
+INJECT_COUNT = "_KVQUEUE_TEST_INJECT_COUNT"

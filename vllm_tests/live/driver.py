@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from live import model
-from live.scheduler import INJECT, INJECT_COUNT, JOURNAL
+from live import INJECT, INJECT_COUNT, JOURNAL, model
 
 HERE = Path(__file__).resolve().parent
 #: Requests in a group share a two-block prefix (the same in every round): later rounds
@@ -65,6 +64,17 @@ def engine_kwargs(model_dir: Path, *, plain: bool) -> dict[str, Any]:
     if not plain:
         kwargs["scheduler_cls"] = "live.scheduler.CheckedScheduler"
     return kwargs
+
+
+def serve_args() -> list[str]:
+    """The same engine settings as ``vllm serve`` options (the model given apart)."""
+    args = []
+    for name, value in engine_kwargs(Path(), plain=False).items():
+        if name == "model":
+            continue
+        flag = "--" + name.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return args
 
 
 def _sampling(max_tokens: int) -> Any:
@@ -134,7 +144,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--plain", action="store_true", help="vLLM's scheduler, unchecked")
     args = parser.parse_args()
-    result: dict[str, Any] = {"_start": time.monotonic(), "rounds": [], "outputs": [], "error": None}
+    result: dict[str, Any] = {
+        "_start": time.monotonic(),
+        "pid": os.getpid(),
+        "rounds": [],
+        "outputs": [],
+        "error": None,
+    }
     try:
         if args.api == "llm":
             serve_llm(args, result)

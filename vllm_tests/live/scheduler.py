@@ -7,7 +7,7 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   requests' block tables (the single full-attention manager's ``req_to_blocks``): each block's
   ``ref_cnt`` equals its number of holders, and the free list holds exactly the blocks nobody
   holds, as many as the pool counts; the first violations are written down;
-* with ``_KVQUEUE_TEST_INJECT=A`` or ``B`` it injects a double free into vLLM's own freeing of
+* with ``_KVQUEUE_TEST_INJECT=A``, ``B`` or ``AB`` (both) it injects a double free into vLLM's own freeing of
   a finished request (``_free_request_blocks``), so the faulty call is vLLM's
   ``BlockPool.free_blocks()`` on the request's block list:
 
@@ -17,7 +17,8 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
     list of the next request that finishes, so it is freed again.
 
   The injected block is a request's first block: the next round's prompts of its group hit
-  it in the prefix cache. ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections.
+  it in the prefix cache. ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections
+  of each form.
 
 Everything it sees goes, one JSON object a line, to the journal ``_KVQUEUE_TEST_JOURNAL``
 (appended and flushed at once, so it survives the engine core's death): the queue and guard
@@ -37,9 +38,7 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.sched.scheduler import Scheduler
 
-INJECT = "_KVQUEUE_TEST_INJECT"
-INJECT_COUNT = "_KVQUEUE_TEST_INJECT_COUNT"
-JOURNAL = "_KVQUEUE_TEST_JOURNAL"
+from live import INJECT, INJECT_COUNT, JOURNAL
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
 
@@ -141,8 +140,9 @@ class CheckedScheduler(Scheduler):
         self.journal = Journal(os.environ.get(JOURNAL))
         self.pool = self.kv_cache_manager.block_pool
         (self.manager,) = self.kv_cache_manager.coordinator.single_type_managers
-        self.form = os.environ.get(INJECT, "")
-        self.injections_left = int(os.environ.get(INJECT_COUNT, "1")) if self.form else 0
+        count = int(os.environ.get(INJECT_COUNT, "1"))
+        # form -> injections still to make
+        self.left = {form: count for form in os.environ.get(INJECT, "") if form in "AB"}
         self.stale: Any = None  # form B: a freed prefix block to free again
         self.steps = 0
         self.violating_steps = 0
@@ -217,32 +217,35 @@ class CheckedScheduler(Scheduler):
             )
             raise
         first = blocks[0] if blocks else None
-        if self.form == "B" and self.stale is None and first is not None and first.ref_cnt == 0:
+        if self.left.get("B") and self.stale is None and first is not None and first.ref_cnt == 0:
             self.stale = first
 
     def _inject(self, request_id: str, blocks: list[Any]) -> int | None:
-        """Add the double free to ``blocks`` (the request's table) if one is due; its block id."""
-        if not self.injections_left or not blocks:
-            return None
-        if self.form == "A":
+        """Add a due double free to ``blocks`` (the request's table); the block's id, or None."""
+        for form, left in self.left.items():
+            block = self._candidate(form, blocks) if left and blocks else None
+            if block is None:
+                continue
+            self.left[form] -= 1
+            blocks.append(block)
+            self.journal.write(
+                "injected",
+                form=form,
+                step=self.steps,
+                request=request_id,
+                block=block.block_id,
+                ref_cnt=block.ref_cnt,
+                free_blocks=self.pool.get_num_free_blocks(),
+            )
+            return int(block.block_id)
+        return None
+
+    def _candidate(self, form: str, blocks: list[Any]) -> Any:
+        if form == "A":
+            # The request's first block, when the request alone holds it.
             block = blocks[0]
-            if block.is_null or block.ref_cnt != 1 or block.block_hash is None:
-                return None
-        elif self.form == "B":
-            block, self.stale = self.stale, None
-            if block is None or block.ref_cnt != 0:
-                return None
-        else:
-            return None
-        self.injections_left -= 1
-        blocks.append(block)
-        self.journal.write(
-            "injected",
-            form=self.form,
-            step=self.steps,
-            request=request_id,
-            block=block.block_id,
-            ref_cnt=block.ref_cnt,
-            free_blocks=self.pool.get_num_free_blocks(),
-        )
-        return block.block_id
+            ok = not block.is_null and block.ref_cnt == 1 and block.block_hash is not None
+            return block if ok else None
+        # B: the first block of a request freed before, if it is still free.
+        block, self.stale = self.stale, None
+        return block if block is not None and block.ref_cnt == 0 else None
