@@ -50,8 +50,13 @@ class Runs:
         self.work = work
         self.done: dict[tuple[Any, ...], driver.Run] = {}
 
-    def get(self, kvqueue: str | None, policy: str | None = None, inject: str | None = None,
-            **kwargs: Any) -> driver.Run:
+    def get(
+        self,
+        kvqueue: str | None,
+        policy: str | None = None,
+        inject: str | None = None,
+        **kwargs: Any,
+    ) -> driver.Run:
         key = (kvqueue, policy, inject, tuple(sorted(kwargs.items(), key=str)))
         if key not in self.done:
             if "extra_env" in kwargs:

@@ -21,6 +21,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,14 +51,14 @@ def prompts(round_: int, count: int) -> list[list[int]]:
     return result
 
 
-def engine_kwargs(model_dir: Path, *, plain: bool) -> dict[str, Any]:
+def engine_kwargs(model_dir: Path, *, plain: bool, blocks: int = NUM_BLOCKS) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "skip_tokenizer_init": True,
         "distributed_executor_backend": "live.executor.StubExecutor",
         "enable_prefix_caching": True,
         "block_size": BLOCK_SIZE,
-        "num_gpu_blocks_override": NUM_BLOCKS,
+        "num_gpu_blocks_override": blocks,
         "max_model_len": 1024,
         "seed": 0,
     }
@@ -87,7 +88,7 @@ def serve_llm(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**engine_kwargs(args.model, plain=args.plain))
+    llm = LLM(**engine_kwargs(args.model, plain=args.plain, blocks=args.blocks))
     result["startup_seconds"] = time.monotonic() - result.pop("_start")
     result["report"] = llm.collective_rpc("kvqueue_report")[0]
     for round_ in range(args.rounds):
@@ -102,7 +103,9 @@ async def serve_async(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(args.model, plain=args.plain)))
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(**engine_kwargs(args.model, plain=args.plain, blocks=args.blocks))
+    )
     try:
         result["startup_seconds"] = time.monotonic() - result.pop("_start")
         result["report"] = (await engine.collective_rpc("kvqueue_report"))[0]
@@ -110,7 +113,9 @@ async def serve_async(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
         async def one(request_id: str, prompt: list[int]) -> list[int]:
             tokens: list[int] = []
-            async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
+            async for output in engine.generate(
+                TokensPrompt(prompt_token_ids=prompt), params, request_id
+            ):
                 tokens = list(output.outputs[0].token_ids)
             return tokens
 
@@ -143,6 +148,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20, help="requests a round")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--plain", action="store_true", help="vLLM's scheduler, unchecked")
+    parser.add_argument("--blocks", type=int, default=NUM_BLOCKS, help="KV blocks in the pool")
     args = parser.parse_args()
     result: dict[str, Any] = {
         "_start": time.monotonic(),
@@ -182,7 +188,14 @@ class Run:
 
 
 #: What a run's environment never inherits: it says for itself whether kvqueue is in.
-_OWN = ("KVQUEUE_VLLM", "KVQUEUE_ON_MISUSE", "KVQUEUE_POOL_GUARD", "VLLM_PLUGINS", INJECT, INJECT_COUNT)
+_OWN = (
+    "KVQUEUE_VLLM",
+    "KVQUEUE_ON_MISUSE",
+    "KVQUEUE_POOL_GUARD",
+    "VLLM_PLUGINS",
+    INJECT,
+    INJECT_COUNT,
+)
 
 
 def run(
@@ -198,15 +211,14 @@ def run(
 ) -> Run:
     """Run the driver in a fresh process; ``kvqueue`` is ``KVQUEUE_VLLM`` (None: unset).
 
-    ``work`` holds the model directory and this run's files (named after the settings).
+    ``work`` holds the model directory and a new directory of this run's files.
     Raises ``subprocess.TimeoutExpired`` past ``timeout`` and RuntimeError when the driver
     itself fails (not the engine: an engine's death is in the result).
     """
     model_dir = model.write(work / "model")
     name = "-".join(filter(None, [kvqueue or "vllm", policy, inject, *args])).replace("--", "")
-    out, journal = work / f"{name}.json", work / f"{name}.journal"
-    out.unlink(missing_ok=True)
-    journal.unlink(missing_ok=True)
+    files = Path(tempfile.mkdtemp(prefix=name + "-", dir=work))
+    out, journal = files / "result.json", files / "journal"
     env = {k: v for k, v in os.environ.items() if k not in _OWN}
     env.update(
         VLLM_TARGET_DEVICE="cpu",
@@ -222,7 +234,16 @@ def run(
         env[INJECT] = inject
         env[INJECT_COUNT] = str(inject_count)
     env.update(extra_env or {})
-    command = [sys.executable, "-m", "live.driver", "--out", str(out), "--model", str(model_dir), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "live.driver",
+        "--out",
+        str(out),
+        "--model",
+        str(model_dir),
+        *args,
+    ]
     start = time.monotonic()
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=timeout, check=False

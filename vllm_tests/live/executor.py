@@ -42,7 +42,7 @@ class StubWorker:
         self.tokens: dict[str, list[int]] = {}
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
-        return {layer: self.spec for layer in self.layers}
+        return dict.fromkeys(self.layers, self.spec)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]
@@ -73,8 +73,9 @@ class StubWorker:
 
     def kvqueue_report(self) -> dict[str, Any]:
         """kvqueue as this process (the engine core) sees it: for ``collective_rpc``."""
-        import kvqueue.vllm
         from vllm.v1.core import block_pool
+
+        import kvqueue.vllm
 
         status = getattr(kvqueue.vllm, "status", None)  # None: no pool guard in this kvqueue
         return {
@@ -100,7 +101,7 @@ class StubWorker:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         request_ids = list(scheduler_output.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for request_id in request_ids:

@@ -7,8 +7,8 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   requests' block tables (the single full-attention manager's ``req_to_blocks``): each block's
   ``ref_cnt`` equals its number of holders, and the free list holds exactly the blocks nobody
   holds, as many as the pool counts; the first violations are written down;
-* with ``_KVQUEUE_TEST_INJECT=A``, ``B`` or ``AB`` (both) it injects a double free into vLLM's own freeing of
-  a finished request (``_free_request_blocks``), so the faulty call is vLLM's
+* with ``_KVQUEUE_TEST_INJECT=A``, ``B`` or ``AB`` (both) it injects a double free into vLLM's
+  own freeing of a finished request (``_free_request_blocks``), so the faulty call is vLLM's
   ``BlockPool.free_blocks()`` on the request's block list:
 
   - ``A`` (vLLM issue 42571): a block that request alone holds is in its list twice, so the
@@ -39,6 +39,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from live import INJECT, INJECT_COUNT, JOURNAL
+
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
 
