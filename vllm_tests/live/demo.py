@@ -32,7 +32,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 #: Set when the demo runs itself again inside the vLLM venv.
 IN_VENV = "_KVQUEUE_DEMO_IN_VENV"
-WIDTH = 30
+WIDTH = 30  # of a column
+LABEL = 25  # of the rows' names
 FORMS = {
     "A": "a block given twice in one BlockPool.free_blocks() call (vLLM issue 42571)",
     "B": "a block that is already free, freed again",
@@ -85,6 +86,14 @@ def expected_outputs(driver: Any, rounds: int, requests: int, max_tokens: int) -
     ]
 
 
+def queue_name(qualified: str) -> str:
+    if qualified.startswith("kvqueue._queue_py."):
+        return "kvqueue, pure twin"
+    if qualified.startswith("kvqueue._queue."):
+        return "kvqueue, compiled twin"
+    return "vLLM's own" if qualified.startswith("vllm.") else qualified
+
+
 def describe(run: Any, expected: list[Any]) -> dict[str, str]:
     """One column of the table: what the engine core saw and what the user got."""
     start = next(iter(run.events("started")), {})
@@ -117,7 +126,7 @@ def describe(run: Any, expected: list[Any]) -> dict[str, str]:
     if died:
         later += f"; engine core died: {died[0]['type']} at {died[0]['raised_at']}"
     return {
-        "queue in the engine core": start.get("queue", "?").rsplit(".", 2)[0],
+        "queue in the engine core": queue_name(start.get("queue", "?")),
         "pool guard": "n/a (this kvqueue has none)"
         if status is None
         else str(status["pool_guard"]),
@@ -135,14 +144,14 @@ def describe(run: Any, expected: list[Any]) -> dict[str, str]:
 
 def table(columns: dict[str, dict[str, str]]) -> str:
     rows = list(next(iter(columns.values())))
-    lines = [" " * 24 + "".join(f"{name:<{WIDTH + 2}}" for name in columns)]
-    lines.append("-" * (24 + (WIDTH + 2) * len(columns)))
+    lines = [" " * LABEL + "".join(f"{name:<{WIDTH + 2}}" for name in columns)]
+    lines.append("-" * (LABEL + (WIDTH + 2) * len(columns)))
     for row in rows:
         cells = [textwrap.wrap(column[row], WIDTH) or [""] for column in columns.values()]
         for i in range(max(map(len, cells))):
             label = row if i == 0 else ""
             text = "".join(f"{(c[i] if i < len(c) else ''):<{WIDTH + 2}}" for c in cells)
-            lines.append(f"{label:<24}{text}")
+            lines.append(f"{label:<{LABEL}}{text}".rstrip())
         lines.append("")
     return "\n".join(lines)
 
@@ -180,10 +189,11 @@ def main() -> int:
                 lambda s=setting, p=policy: driver.run(Path(work), s, p, args.form),
             )
             columns[name] = describe(run, expected)
+            # The exception lines the engine core logged (not the source lines of tracebacks).
             excerpts[name] = [
                 line for line in run.output.splitlines()
-                if "double free" in line or "AssertionError" in line
-            ][:3]  # fmt: skip
+                if "Error: " in line and ("double free" in line or "AssertionError" in line)
+            ][:2]  # fmt: skip
     print()
     print(table(columns))
     for name, lines in excerpts.items():

@@ -58,7 +58,8 @@ def main() -> int:
                 print(f"{requests / seconds:,.0f} requests/s ({run.seconds:.0f} s with start-up)")
     reference = statistics.median(r for r, _ in measured["vLLM's queue"])
     print(
-        f"\nlive vLLM engine, stub model: {args.rounds - 1} timed rounds x {args.requests} requests x "
+        f"\nlive vLLM engine, stub model: {args.rounds - 1} timed rounds x {args.requests} requests"
+        f" x "
         f"{args.max_tokens} tokens, {args.blocks} blocks, prefix caching; median of {args.repeats}"
     )
     print(f"{'queue':<16} {'requests/s':>11} {'tokens/s':>10} {'vs vLLM':>8}")
