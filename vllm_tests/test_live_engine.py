@@ -1,0 +1,265 @@
+"""kvqueue in a live vLLM 0.33.0 engine: ``vllm.LLM`` / ``AsyncLLM`` on the CPU, engine core in
+its own process, a stub model (vllm_tests/live/).
+
+Run with pytest in the vLLM venv (``make vllm-tests``). Each run is a fresh driver process
+(``live.driver.run``) whose only kvqueue settings are ``KVQUEUE_VLLM`` and ``KVQUEUE_ON_MISUSE``,
+as a user's; what the engine core saw comes back in its journal (``live.scheduler``). A run
+takes about 20 s, so each is made once and shared by the tests that read it.
+
+Tests about the pool guard skip while the installed kvqueue has no ``kvqueue.vllm.status``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Importing vLLM imports torch, whose import-time DeprecationWarnings are not ours to fail on
+# (the repository's pytest settings turn warnings into errors).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    pytest.importorskip("vllm")
+kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
+
+# vllm_tests/ is on sys.path: pytest inserts a test file's directory (no __init__.py here).
+from live import JOURNAL, driver  # noqa: E402
+
+TWINS = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
+#: KVQUEUE_VLLM for each twin: "1" is what a user sets, and picks the compiled twin.
+SETTING = {"cython": "1", "python": "python"}
+needs_guard = pytest.mark.skipif(
+    not hasattr(kvqueue_vllm, "status"),
+    reason="this kvqueue has no pool guard yet (kvqueue.vllm.status is missing)",
+)
+
+
+class Runs:
+    """Driver runs made on first use and kept for the session."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.done: dict[tuple[Any, ...], driver.Run] = {}
+
+    def get(
+        self,
+        kvqueue: str | None,
+        policy: str | None = None,
+        inject: str | None = None,
+        **kwargs: Any,
+    ) -> driver.Run:
+        key = (kvqueue, policy, inject, tuple(sorted(kwargs.items(), key=str)))
+        if key not in self.done:
+            if "extra_env" in kwargs:
+                kwargs["extra_env"] = dict(kwargs["extra_env"])
+            self.done[key] = driver.run(self.work, kvqueue, policy, inject, **kwargs)
+        return self.done[key]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("live"))
+
+
+def started(run: driver.Run) -> dict[str, Any]:
+    (event,) = run.events("started")
+    return event
+
+
+def assert_served(run: driver.Run) -> None:
+    assert run.result["error"] is None, run.output[-3000:]
+    assert run.completed == 60
+    assert run.events("died") == []
+
+
+# -- the engine as users start it ----------------------------------------------------------
+
+
+def test_engine_core_is_its_own_spawned_process(runs: Runs) -> None:
+    run = runs.get(None)
+    assert_served(run)
+    report = run.result["report"]
+    assert report["pid"] == started(run)["pid"]  # the scheduler and the executor: one process
+    assert report["pid"] != run.result["pid"]
+    assert report["start_method"] == "spawn"
+    assert started(run)["queue"] == "vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue"
+
+
+@pytest.mark.parametrize("twin", TWINS)
+def test_the_engine_cores_pool_holds_kvqueues_queue(runs: Runs, twin: str) -> None:
+    run = runs.get(SETTING[twin])
+    assert_served(run)
+    assert run.env == {"KVQUEUE_VLLM": SETTING[twin], JOURNAL: run.env[JOURNAL]}
+    assert started(run)["queue"] == f"{TWINS[twin]}.FreeKVCacheBlockQueue"
+    assert started(run)["installed"] == twin
+    assert run.result["report"]["installed"] == twin
+
+
+@needs_guard
+@pytest.mark.parametrize("twin", TWINS)
+def test_the_engine_cores_pool_is_guarded(runs: Runs, twin: str) -> None:
+    status = started(runs.get(SETTING[twin]))["status"]
+    assert status == {"implementation": twin, "on_misuse": "raise", "pool_guard": True}
+    assert not started(runs.get(SETTING[twin]))["free_blocks"].startswith("vllm.")
+
+
+@needs_guard
+def test_the_guard_can_be_turned_off(runs: Runs) -> None:
+    run = runs.get("1", extra_env=(("KVQUEUE_POOL_GUARD", "0"),))
+    assert_served(run)
+    assert started(run)["status"]["pool_guard"] is False
+    assert started(run)["free_blocks"] == "vllm.v1.core.block_pool.BlockPool.free_blocks"
+
+
+def test_same_requests_same_outputs_three_ways(runs: Runs) -> None:
+    reference = runs.get(None)
+    for twin in TWINS:
+        run = runs.get(SETTING[twin])
+        assert_served(run)
+        assert run.result["outputs"] == reference.result["outputs"], twin
+        assert run.events("violation") == [], twin
+    assert reference.events("violation") == []
+    # The stub's answer: each token the one after the last.
+    prompt = driver.prompts(0, 1)[0]
+    first = reference.result["outputs"][0][0]
+    assert first[:3] == [(prompt[-1] + k) % driver.VOCAB for k in (1, 2, 3)]
+
+
+def test_async_llm_asked_to_fork_spawns_and_serves_the_same(runs: Runs) -> None:
+    """AsyncLLM with kvqueue; the fork asked for is overridden by vLLM's CPU platform."""
+    run = runs.get(
+        "1", args=("--api", "async"), extra_env=(("VLLM_WORKER_MULTIPROC_METHOD", "fork"),)
+    )
+    assert_served(run)
+    assert run.result["report"]["start_method"] == "spawn"
+    assert started(run)["queue"] == "kvqueue._queue.FreeKVCacheBlockQueue"
+    assert run.result["outputs"] == runs.get(None).result["outputs"]
+
+
+# -- injected double frees ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["A", "B"])
+def test_vllm_alone_is_damaged_by_a_double_free(runs: Runs, form: str) -> None:
+    """vLLM's own pool takes the block's ref_cnt to -1; then either the engine core dies at
+    get_new_blocks' bare assert, or the pool's accounting stays wrong (a prefix hit gives the
+    block to requests while it is still in the free list)."""
+    run = runs.get(None, inject=form)
+    (injected,) = run.events("injected")
+    damage = run.events("violation")
+    died = run.events("died")
+    assert damage or died, run.output[-3000:]
+    if damage:
+        assert f"block {injected['block']}: ref_cnt -1, 0 holders" in damage[0]["found"]
+    if died:
+        assert died[0]["type"] == "AssertionError"
+        assert died[0]["raised_at"].startswith("block_pool.py:")
+        assert run.result["error"] is not None
+
+
+@needs_guard
+@pytest.mark.parametrize("twin", TWINS)
+def test_repair_serves_every_request_and_keeps_the_pool_exact(runs: Runs, twin: str) -> None:
+    run = runs.get(SETTING[twin], "repair", "AB", inject_count=2)
+    assert_served(run)
+    injected = run.events("injected")
+    assert sorted(event["form"] for event in injected) == ["A", "A", "B", "B"]
+    assert run.events("violation") == [], run.events("violation")[:3]
+    repaired = [e for e in run.events("log") if "repaired a double free" in e["message"]]
+    assert len(repaired) >= 1
+    assert sum(run.events("repairs")[-1]["counters"].values()) == len(injected)
+    assert run.result["outputs"] == runs.get(None).result["outputs"]
+
+
+@needs_guard
+@pytest.mark.parametrize(("form", "twin"), [("A", "cython"), ("B", "python")])
+def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> None:
+    run = runs.get(SETTING[twin], "raise", form)
+    (injected,) = run.events("injected")
+    (refused,) = run.events("refused")
+    assert "double free" in refused["message"]
+    assert str(injected["block"]) in refused["message"]
+    assert "BlockPool.free_blocks()" in refused["message"]
+    assert refused["pool_after"] == []  # raised before anything changed
+    assert run.events("violation") == []
+    assert run.result["error"] is not None  # the engine core stopped on it, loudly
+    assert "double free" in run.output
+
+
+# -- vllm serve ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        result: dict[str, Any] = json.load(response)
+    return result
+
+
+def test_vllm_serve_answers_completions_with_kvqueue(tmp_path: Path) -> None:
+    """``vllm serve`` on loopback with the stub executor and KVQUEUE_VLLM=1; a few requests."""
+    model_dir = driver.model.write(tmp_path / "model")
+    journal = tmp_path / "serve.journal"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "_KVQUEUE"))}
+    env.update(
+        KVQUEUE_VLLM="1",
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(driver.HERE.parent),
+        **{JOURNAL: str(journal)},
+    )
+    command = [
+        str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "stub",
+        *driver.serve_args(),
+    ]  # fmt: skip
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "vllm serve did not come up in 180 s"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        prompts = driver.prompts(0, 4)
+        for prompt in prompts:
+            body = {"model": "stub", "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
+                    "return_token_ids": True}  # fmt: skip
+            choice = _post(base + "/v1/completions", body)["choices"][0]
+            assert choice["finish_reason"] == "length"
+            assert choice["token_ids"] == [(prompt[-1] + k) % driver.VOCAB for k in range(1, 9)]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    events = [json.loads(line) for line in journal.read_text().splitlines()]
+    (start,) = [e for e in events if e["event"] == "started"]
+    assert start["queue"] == "kvqueue._queue.FreeKVCacheBlockQueue"
+    assert not [e for e in events if e["event"] in ("violation", "died")]
