@@ -38,9 +38,9 @@ def screen(request: pytest.FixtureRequest) -> ModuleType:
     return importlib.import_module(request.param)
 
 
-def oracle(blocks: list[Block], route_others: bool) -> int:
+def oracle(blocks: list[Block]) -> int:
     for i, block in enumerate(blocks):
-        if block.is_null or (route_others and block.pool not in (None, POOL)):
+        if block.is_null or block.pool is not POOL:
             continue
         first = not any(b is block for b in blocks[:i])
         if first and block.prev_free_block is not None:
@@ -65,18 +65,17 @@ def test_first_excess_matches_the_oracle(screen: ModuleType, seed: int) -> None:
         if rng.random() < 0.1:
             block.prev_free_block = Block(0)  # linked in a free list
     blocks = [rng.choice(distinct) for _ in range(rng.randint(0, 40))]
-    for route_others in (True, False):
-        assert screen.first_excess(blocks, POOL, route_others) == oracle(blocks, route_others)
+    assert screen.first_excess(blocks, POOL) == oracle(blocks)
 
 
 def test_first_excess_many_copies(screen: ModuleType) -> None:
     block = Block(5)
     blocks = [block] * 20_000
     before = sys.getrefcount(block)
-    assert screen.first_excess(blocks, POOL, True) == 5
-    assert screen.first_excess(blocks[:5], POOL, True) == -1
+    assert screen.first_excess(blocks, POOL) == 5
+    assert screen.first_excess(blocks[:5], POOL) == -1
     assert sys.getrefcount(block) == before
-    assert screen.first_excess([Block(10**30)] * 3, POOL, True) == -1
+    assert screen.first_excess([Block(10**30)] * 3, POOL) == -1
 
 
 class Shrinking(Block):
@@ -97,7 +96,7 @@ class Shrinking(Block):
 def test_code_run_by_a_block_cannot_crash_a_screen(screen: ModuleType) -> None:
     blocks: list[Any] = [Block(1), Shrinking(1), Block(0), Block(0)]
     Shrinking.victim = blocks
-    assert screen.first_excess(blocks, POOL, True) == -1  # the list ended under it
+    assert screen.first_excess(blocks, POOL) == -1  # the list ended under it
     assert blocks == []
 
 
@@ -115,16 +114,17 @@ def test_a_raising_block_raises_through(screen: ModuleType) -> None:
     held = Block(1)
     before = sys.getrefcount(held)
     with pytest.raises(LookupError, match="ref_cnt"):
-        screen.first_excess([held, Raising(1)], POOL, True)
+        screen.first_excess([held, Raising(1)], POOL)
     assert sys.getrefcount(held) == before  # the table's references were given back
     with pytest.raises(LookupError):
-        screen.first_negative([Raising(1)])
+        screen.first_negative([Raising(1)], POOL)
 
 
 def test_first_negative(screen: ModuleType) -> None:
-    assert screen.first_negative([]) == -1
-    assert screen.first_negative([Block(0), Block(-1, is_null=True), Block(-2)]) == 2
-    assert screen.first_negative((Block(1), Block(0))) == -1
+    assert screen.first_negative([], POOL) == -1
+    blocks = [Block(0), Block(-1, is_null=True), Block(-1, pool=None), Block(-2)]
+    assert screen.first_negative(blocks, POOL) == 3
+    assert screen.first_negative((Block(1), Block(0)), POOL) == -1
 
 
 def test_first_held_free(screen: ModuleType) -> None:

@@ -514,3 +514,14 @@ def test_a_log_handler_that_calls_back_into_the_pool(kind, monkeypatch):
     free = truly_free(pool)
     assert sorted(linked_ids(pool)) == free
     assert pool.get_num_free_blocks() == len(free) == 16 - 1 - 1
+
+
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_blocks_of_no_pool_keep_vllms_handling(kind, monkeypatch):
+    """Some of vLLM's own tests free blocks they made themselves (``KVCacheBlock(id)``, no
+    pool): the guard checks a pool's own blocks only, so those calls do what vLLM does."""
+    pool = new_pool(kind, "raise", monkeypatch)
+    stray = kv_cache_utils.KVCacheBlock(1000)
+    pool.free_blocks([stray, pool.null_block])
+    assert stray.ref_cnt == -1  # vLLM's decrement, unchecked, as without kvqueue
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - 1

@@ -7,7 +7,8 @@ here, where the count moves. Each guarded method screens its arguments (the twin
 method, so the guard follows whatever the installed vLLM does:
 
 * ``free_blocks`` / ``unpin_blocks``: a block given more times than it holds
-  references (its ``ref_cnt`` would go below 0) is a double free;
+  references (its ``ref_cnt`` would go below 0), or linked in the free list already,
+  is a double free;
 * ``touch``: a block whose ``ref_cnt`` is negative already (a double free that
   happened unguarded) would come back to 0 while still linked as free;
 * ``get_new_blocks``: a block about to be handed out whose ``ref_cnt`` is not 0.
@@ -17,8 +18,9 @@ The pool's misuse policy is its queue's (``on_misuse``), else the policy given t
 anything changes. ``"repair"``: the excess occurrences are dropped (a negative count
 is taken as 0, a held block is unlinked rather than handed out), the rest is done by
 vLLM's own method, and the repair is counted per pool and logged on the queue's
-logger under the queue's rate limit. Null blocks and another pool's blocks keep
-vLLM's handling: ``free_blocks`` routes the latter to their pool, whose guard checks them.
+logger under the queue's rate limit. Only a pool's own blocks are checked: null
+blocks, another pool's blocks (``free_blocks`` routes them to their pool, whose guard
+checks them) and blocks of no pool keep vLLM's handling.
 """
 
 from __future__ import annotations
@@ -111,27 +113,24 @@ def _mark(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable
     return wrapper
 
 
-def _free_guard(route_others: bool) -> Callable[..., Callable[..., Any]]:
-    def wrap(original: Callable[..., Any], screen: ModuleType, policy_of: PolicyOf) -> Any:
-        first_excess = screen.first_excess
-        method = original.__name__
+def _free_guard(original: Callable[..., Any], screen: ModuleType, policy_of: PolicyOf) -> Any:
+    first_excess = screen.first_excess
+    method = original.__name__
 
-        def guarded(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
-            # vLLM iterates its argument once; a list made here is what it iterates,
-            # so what was screened is what is freed.
-            blocks = list(blocks)
-            if first_excess(blocks, self, route_others) < 0:
-                return original(self, blocks, *args, **kwargs)
-            notes: list[_Note] = []
-            blocks = _excess(self, blocks, method, route_others, policy_of(self), notes)
-            try:
-                return original(self, blocks, *args, **kwargs)
-            finally:
-                _log(notes)
+    def guarded(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM iterates its argument once; a list made here is what it iterates,
+        # so what was screened is what is freed.
+        blocks = list(blocks)
+        if first_excess(blocks, self) < 0:
+            return original(self, blocks, *args, **kwargs)
+        notes: list[_Note] = []
+        blocks = _excess(self, blocks, method, policy_of(self), notes)
+        try:
+            return original(self, blocks, *args, **kwargs)
+        finally:
+            _log(notes)
 
-        return _mark(original, guarded)
-
-    return wrap
+    return _mark(original, guarded)
 
 
 def _touch_guard(original: Callable[..., Any], screen: ModuleType, policy_of: PolicyOf) -> Any:
@@ -139,7 +138,7 @@ def _touch_guard(original: Callable[..., Any], screen: ModuleType, policy_of: Po
 
     def touch(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = list(blocks)
-        i = first_negative(blocks)
+        i = first_negative(blocks, self)
         if i < 0:
             return original(self, blocks, *args, **kwargs)
         notes: list[_Note] = []
@@ -173,8 +172,8 @@ def _alloc_guard(original: Callable[..., Any], screen: ModuleType, policy_of: Po
 
 
 _WRAPPERS: dict[str, Callable[..., Any]] = {
-    "free_blocks": _free_guard(route_others=True),
-    "unpin_blocks": _free_guard(route_others=False),
+    "free_blocks": _free_guard,
+    "unpin_blocks": _free_guard,
     "touch": _touch_guard,
     "get_new_blocks": _alloc_guard,
 }
@@ -184,7 +183,6 @@ def _excess(
     pool: Any,
     blocks: list[Any],
     method: str,
-    route_others: bool,
     policy: str,
     notes: list[_Note],
 ) -> list[Any]:
@@ -199,7 +197,7 @@ def _excess(
     given: dict[int, int] = {}
     left: dict[int, int] = {}
     for block in blocks:
-        if block.is_null or (route_others and block.pool is not None and block.pool is not pool):
+        if block.pool is not pool or block.is_null:
             kept.append(block)
             continue
         key = id(block)
@@ -239,7 +237,7 @@ def _negative(pool: Any, blocks: list[Any], first: int, policy: str, notes: list
             f"touched. {_where(pool)}"
         )
     for block in blocks[first:]:
-        if not block.is_null and block.ref_cnt < 0:
+        if block.pool is pool and not block.is_null and block.ref_cnt < 0:
             block.ref_cnt = 0
             _repaired(pool, "touch", block, "negative_ref", notes)
 

@@ -19,19 +19,20 @@ cdef struct _Seen:
     Py_ssize_t left
 
 
-def first_excess(list blocks, object pool, bint route_others):
-    """The index of the first occurrence in ``blocks`` that would take its block's
-    ``ref_cnt`` below 0 if each occurrence released one reference, or that releases
-    a block linked in a free list, or -1; O(len(blocks)).
+def first_excess(list blocks, object pool):
+    """The index of the first occurrence in ``blocks`` of a block of ``pool`` that would
+    take its ``ref_cnt`` below 0 if each occurrence released one reference, or that
+    releases a block linked in a free list, or -1; O(len(blocks)).
 
-    Null blocks are skipped (vLLM keeps no count for them). With ``route_others``,
-    so are blocks whose ``pool`` is another pool: vLLM hands those to their own
-    pool, whose guard screens them.
+    Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
+    another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
+    blocks of no pool (made outside any pool, as some of vLLM's tests do) keep vLLM's
+    handling.
     """
     cdef Py_ssize_t cap = 8, mask, i, slot, found = -1
     cdef Py_ssize_t n = len(blocks)
     cdef _Seen *seen
-    cdef object block, owner
+    cdef object block
     while cap < 2 * n:
         cap <<= 1
     mask = cap - 1
@@ -44,14 +45,9 @@ def first_excess(list blocks, object pool, bint route_others):
         # shrinks the list (the table holds at most n blocks whatever it grows to).
         while i < len(blocks) and i < n:
             block = blocks[i]
-            if block.is_null:
+            if block.pool is not pool or block.is_null:
                 i += 1
                 continue
-            if route_others:
-                owner = block.pool
-                if owner is not None and owner is not pool:
-                    i += 1
-                    continue
             slot = <Py_ssize_t>((<uintptr_t><PyObject *>block >> 4) & mask)
             while seen[slot].block is not NULL and seen[slot].block != <PyObject *>block:
                 slot = (slot + 1) & mask
@@ -80,11 +76,12 @@ def first_excess(list blocks, object pool, bint route_others):
     return found
 
 
-def first_negative(blocks):
-    """The index of the first non-null block with a negative ``ref_cnt``, or -1."""
+def first_negative(blocks, object pool):
+    """The index of the first block of ``pool`` (null aside) whose ``ref_cnt`` is
+    negative, or -1."""
     cdef Py_ssize_t i = 0
     for block in blocks:
-        if not block.is_null and block.ref_cnt < 0:
+        if block.pool is pool and not block.is_null and block.ref_cnt < 0:
             return i
         i += 1
     return -1

@@ -13,25 +13,22 @@ from typing import Any
 __all__ = ("first_excess", "first_held_free", "first_negative")
 
 
-def first_excess(blocks: list[Any], pool: object, route_others: bool) -> int:
-    """The index of the first occurrence in ``blocks`` that would take its block's
-    ``ref_cnt`` below 0 if each occurrence released one reference, or that releases
-    a block linked in a free list, or -1; O(len(blocks)).
+def first_excess(blocks: list[Any], pool: object) -> int:
+    """The index of the first occurrence in ``blocks`` of a block of ``pool`` that would
+    take its ``ref_cnt`` below 0 if each occurrence released one reference, or that
+    releases a block linked in a free list, or -1; O(len(blocks)).
 
-    Null blocks are skipped (vLLM keeps no count for them). With ``route_others``,
-    so are blocks whose ``pool`` is another pool: vLLM hands those to their own
-    pool, whose guard screens them.
+    Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
+    another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
+    blocks of no pool (made outside any pool, as some of vLLM's tests do) keep vLLM's
+    handling.
     """
     # Block ids are not unique across pools and vLLM's dataclass blocks are not
     # hashable: a block's remaining references are keyed by identity.
     left: dict[int, int] = {}
     for i, block in enumerate(blocks):
-        if block.is_null:
+        if block.pool is not pool or block.is_null:
             continue
-        if route_others:
-            owner = block.pool
-            if owner is not None and owner is not pool:
-                continue
         key = id(block)
         refs = left.get(key)
         if refs is None:
@@ -45,10 +42,11 @@ def first_excess(blocks: list[Any], pool: object, route_others: bool) -> int:
     return -1
 
 
-def first_negative(blocks: list[Any]) -> int:
-    """The index of the first non-null block with a negative ``ref_cnt``, or -1."""
+def first_negative(blocks: list[Any], pool: object) -> int:
+    """The index of the first block of ``pool`` (null aside) whose ``ref_cnt`` is
+    negative, or -1."""
     for i, block in enumerate(blocks):
-        if not block.is_null and block.ref_cnt < 0:
+        if block.pool is pool and not block.is_null and block.ref_cnt < 0:
             return i
     return -1
 
