@@ -12,20 +12,21 @@ from statistics import median
 from typing import Any
 
 import machine
+from contenders import PINNED, REFERENCE
 from stats import bootstrap_median
 
-# The targets, on the large pool: (contender, case, against, at most).
+# The seed's targets, on the large pool: (contender, case, against, at most).
 SINGLETON = "popleft_n(1) + append_n @100000"
 TARGETS = (
-    ("pure", SINGLETON, "vllm-0.30", 0.83),
-    ("cython", SINGLETON, "vllm-0.30", 0.20),
-    ("cython", "popleft_n(32) + append_n @100000", "vllm-0.30", 0.35),
-    ("cython", "remove + append @100000", "vllm-0.30", 0.50),
-    ("cython", "mix @100000", "vllm-0.30", 0.25),
+    ("pure", SINGLETON, REFERENCE, 0.83),
+    ("cython", SINGLETON, REFERENCE, 0.20),
+    ("cython", "popleft_n(32) + append_n @100000", REFERENCE, 0.35),
+    ("cython", "remove + append @100000", REFERENCE, 0.50),
+    ("cython", "mix @100000", REFERENCE, 0.25),
     ("cython", "popleft + append @100000", "deque", 2.5),
 )
-# ... and the pure twin within 10% of vLLM 0.33 in every case on the large pool.
-PURE_VS_033 = 1.10
+# ... and the pure twin within 10% of the pinned vLLM in every case on the large pool.
+PURE_VS_PINNED = 1.10
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,12 @@ def targets(results: dict[str, Any]) -> str:
     for key, records in grouped.items():
         if records[0]["pool"] != 100_000:
             continue
-        estimate = ratio(records, "pure", "vllm-0.33")
+        estimate = ratio(records, "pure", PINNED)
         if estimate is not None and (worst is None or estimate.median > worst[1].median):
             worst = (key, estimate)
     if worst is not None:
-        label = f"`pure` vs `vllm-0.33` <= {PURE_VS_033} in every case (worst: {worst[0]})"
-        lines.append(_target_line(label, worst[1], PURE_VS_033))
+        label = f"`pure` vs `{PINNED}` <= {PURE_VS_PINNED} in every case (worst: {worst[0]})"
+        lines.append(_target_line(label, worst[1], PURE_VS_PINNED))
     return "\n".join(lines)
 
 

@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import baseline
 import cases
 import chart
 import contenders
+import launch
 import machine
 import report
 import validate
@@ -96,33 +96,6 @@ def load_contenders(names: list[str], download: bool) -> tuple[list[str], dict[s
     return usable, skipped
 
 
-def run_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    records = []
-    started = time.monotonic()
-    tty = sys.stderr.isatty()
-    for done, job in enumerate(jobs, 1):
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "worker.py"), json.dumps(job)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode:
-            sys.stderr.write(proc.stderr)
-            raise SystemExit(f"worker failed on {job['case']} (round {job['round']})")
-        records.append(json.loads(proc.stdout))
-        elapsed = time.monotonic() - started
-        eta = elapsed / done * (len(jobs) - done)
-        line = (
-            f"[{done:>4}/{len(jobs)}] round {job['round'] + 1} {job['case']:<40} "
-            f"{elapsed:5.0f}s elapsed, ~{eta:4.0f}s left"
-        )
-        print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-    if tty:
-        print(file=sys.stderr)
-    return records
-
-
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     names, skipped = load_contenders(args.contenders, download=not (args.quick or args.no_download))
     fallback = contenders.FALLBACK_REFERENCE
@@ -151,7 +124,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     # Described first: the checkout may move on during a long run.
     described = machine.describe()
     started = time.time()
-    records = run_jobs(jobs)
+    records = launch.run(
+        [sys.executable, str(HERE / "worker.py")],
+        jobs,
+        lambda job: f"round {job['round'] + 1} {job['case']}",
+    )
     return {
         "machine": described,
         "settings": {

@@ -8,7 +8,9 @@ the stack, and is charged to every layer found on it:
 * ``kv_manager``: vLLM's KV-cache management (kv_cache_manager.py, its coordinator, the
   single-type managers, the block pool);
 * ``pool``: a ``BlockPool`` method (block_pool.py), the queue calls it makes included;
-* ``queue``: a free-queue method written in Python (vLLM's own, or kvqueue's pure twin).
+* ``queue``: a free-queue method written in Python (vLLM's own, or kvqueue's pure twin);
+* ``kvqueue``: any other function of the kvqueue package written in Python (the pool guard's
+  pure twin and its wrappers around vLLM's pool methods).
   The compiled twin runs in C, where a signal is only seen once it returns, so its time
   lands on its caller: its queue share is measured by replay (bench/scheduler.py), not here.
 
@@ -26,6 +28,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import kvqueue
+
 __all__ = ("Sampler",)
 
 _MANAGER_FILES = {
@@ -34,6 +38,7 @@ _MANAGER_FILES = {
     "single_type_kv_cache_manager.py",
     "block_pool.py",
 }
+_KVQUEUE_DIR = str(Path(kvqueue.__file__).resolve().parent) + "/"
 
 
 class Sampler:
@@ -43,7 +48,7 @@ class Sampler:
         self.interval = interval_s
         self.step_codes = step_codes
         self.queue_codes = queue_codes
-        self.counts = {"ticks": 0, "step": 0, "kv_manager": 0, "pool": 0, "queue": 0}
+        self.counts = dict.fromkeys(("ticks", "step", "kv_manager", "pool", "queue", "kvqueue"), 0)
         self._busy = False
         self._file_kind: dict[str, str | None] = {}
 
@@ -55,6 +60,8 @@ class Sampler:
                 kind = "pool"
             elif name in _MANAGER_FILES:
                 kind = "kv_manager"
+            elif str(Path(filename).resolve()).startswith(_KVQUEUE_DIR):
+                kind = "kvqueue"
             else:
                 kind = None
             self._file_kind[filename] = kind
@@ -66,7 +73,7 @@ class Sampler:
         self._busy = True
         counts = self.counts
         counts["ticks"] += 1
-        in_step = in_manager = in_pool = in_queue = False
+        in_step = in_manager = in_pool = in_queue = in_kvqueue = False
         while frame is not None:
             code = frame.f_code
             if code in self.step_codes:
@@ -79,12 +86,15 @@ class Sampler:
                     in_pool = in_manager = True
                 elif kind == "kv_manager":
                     in_manager = True
+                elif kind == "kvqueue":
+                    in_kvqueue = True
             frame = frame.f_back
         if in_step:
             counts["step"] += 1
             counts["kv_manager"] += in_manager
             counts["pool"] += in_pool
             counts["queue"] += in_queue
+            counts["kvqueue"] += in_kvqueue
         self._busy = False
 
     def __enter__(self) -> Sampler:

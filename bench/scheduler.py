@@ -1,14 +1,17 @@
-"""Engine-level benchmark on vLLM's real scheduler: vLLM 0.33.0's own queue vs kvqueue's twins.
+"""Engine-level benchmark on vLLM's real scheduler: vLLM's own queue, kvqueue's twins, the guard.
 
-    make bench-scheduler                        # the vLLM venv, full run (about 20 minutes)
+    make bench-scheduler                        # the vLLM venv, full run (about 30 minutes)
     python bench/scheduler.py --quick           # 3 processes, shorter workloads
+    python bench/scheduler.py --check           # no timing: every contender schedules alike
     python bench/scheduler.py --summarize bench/results/scheduler-....json
 
-Runs in a venv holding vLLM 0.33.0 and kvqueue (vllm_tests/venv.sh makes it). vLLM's own
-``Scheduler`` (bench/sched_engine.py: its real KVCacheManager and BlockPool, on the CPU,
-a fake model) serves the seeded workloads of bench/sched_workload.py (decode-heavy,
-prefix-heavy). Contenders: ``vllm`` (vLLM's own FreeKVCacheBlockQueue), ``cython`` and
-``python`` (``kvqueue.vllm.install("cython" / "python")`` before the scheduler is built).
+Runs in a venv holding vLLM (the release vllm_tests/vllm.env pins) and kvqueue
+(vllm_tests/venv.sh makes it). vLLM's own ``Scheduler`` (bench/sched_engine.py: its real
+KVCacheManager and BlockPool, on the CPU, a fake model) serves the seeded workloads of
+bench/sched_workload.py (decode-heavy, prefix-heavy). Contenders: ``vllm`` (vLLM alone),
+``cython`` and ``python`` (``kvqueue.vllm.install(twin, pool_guard=False)``), ``cython+guard``
+and ``python+guard`` (the same with the pool guard on). A kvqueue whose ``install()`` has no
+``pool_guard`` parameter runs without the guard contenders, and says so.
 
 Per fresh process (pinned to one CPU, workloads in random order) and per workload:
 
@@ -18,15 +21,19 @@ Per fresh process (pinned to one CPU, workloads in random order) and per workloa
   off while timing. Every run must schedule exactly the same requests, tokens and block ids
   as the first (a fingerprint per run), or the process fails;
 * queue time: the queue calls of one run (recorded on vLLM's queue) replayed alone on a
-  fresh queue of each contender, minus the same loop making no call (bench/engine_trace.py's
-  recorder and replay);
+  fresh queue of each contender, minus the same loop making no call;
 * shares: ``--reps`` more runs per contender under a CPU-clock sampling profiler
   (bench/sched_probe.py): the part of the step in vLLM's KV-cache manager, in the block
-  pool and (for queues written in Python) in the queue.
+  pool, in a queue written in Python, and in kvqueue's other Python code (the pure guard).
 
-Ratios are taken within a process against ``vllm``, then the median over processes with a
-percentile-bootstrap 95% interval (bench/stats.py). Results: bench/results/scheduler-*.json
-and a Markdown table on stdout.
+Ratios are taken within a process against ``vllm`` (and, for the guard, against the same twin
+with the guard off), then the median over processes with a percentile-bootstrap 95% interval
+(bench/stats.py). Results: bench/results/scheduler-*.json and a Markdown table on stdout.
+
+``--check`` (CI) runs each contender once on shortened workloads and fails unless every one
+schedules the same steps as vLLM alone and leaves the pool in the same state (free list in
+order, every block's reference count and hash), and unless the workloads reach every queue
+call the pool makes and the prefix cache's eviction.
 """
 
 from __future__ import annotations
@@ -34,25 +41,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import inspect
 import json
 import os
 import random
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-CONTENDERS = ("vllm", "cython", "python")
+CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
 REFERENCE = "vllm"
 CLOCK = time.thread_time
 SAMPLE_INTERVAL_S = 0.001
 
 
-# -- one fresh process -------------------------------------------------------------------
+# -- the contenders ------------------------------------------------------------------------
+
+
+def guard_missing() -> str | None:
+    """Why the guard contenders cannot run here, or None."""
+    import kvqueue.vllm
+
+    if "pool_guard" in inspect.signature(kvqueue.vllm.install).parameters:
+        return None
+    return "kvqueue.vllm.install() has no pool_guard parameter: this kvqueue has no pool guard"
 
 
 def use(name: str) -> type:
@@ -61,17 +78,142 @@ def use(name: str) -> type:
 
     import kvqueue.vllm
 
+    kvqueue.vllm.uninstall()
     if name == REFERENCE:
-        kvqueue.vllm.uninstall()
         queue_class: type = block_pool.FreeKVCacheBlockQueue
         return queue_class
-    return kvqueue.vllm.install(name)  # type: ignore[arg-type]
+    twin, _, guard = name.partition("+")
+    if guard_missing():
+        return kvqueue.vllm.install(twin)  # type: ignore[arg-type]
+    queue_class = kvqueue.vllm.install(twin, pool_guard=bool(guard))  # type: ignore[arg-type, call-arg]
+    status = kvqueue.vllm.status()  # type: ignore[attr-defined]
+    assert status["pool_guard"] is bool(guard), (name, status)
+    return queue_class
 
 
-def shrink(w: Any, quick: bool) -> Any:
-    if not quick:
-        return w
-    return dataclasses.replace(w, steps=w.steps // 2, warmup_steps=w.warmup_steps // 2)
+# -- the queue calls of one run, recorded and replayed -------------------------------------
+
+
+class QueueLog:
+    """Stands for a queue class: builds ``queue_class`` queues whose calls are logged by id."""
+
+    def __init__(self, queue_class: type) -> None:
+        self.queue_class = queue_class
+        self.ops: list[tuple[str, Any]] = []
+        self.num_blocks = 0
+
+    def __call__(self, blocks: list[Any]) -> Any:
+        self.num_blocks = len(blocks)
+        return _LoggingQueue(self.queue_class(blocks), self.ops)
+
+
+class _LoggingQueue:
+    def __init__(self, queue: Any, ops: list[tuple[str, Any]]) -> None:
+        self._q = queue
+        self._log = ops.append
+
+    @property
+    def num_free_blocks(self) -> int:
+        self._log(("num_free_blocks", None))
+        return int(self._q.num_free_blocks)
+
+    def popleft(self) -> Any:
+        self._log(("popleft", None))
+        return self._q.popleft()
+
+    def popleft_n(self, n: int) -> Any:
+        self._log(("popleft_n", n))
+        return self._q.popleft_n(n)
+
+    def remove(self, block: Any) -> None:
+        self._log(("remove", block.block_id))
+        self._q.remove(block)
+
+    def append(self, block: Any) -> None:
+        self._log(("append", block.block_id))
+        self._q.append(block)
+
+    def append_n(self, blocks: list[Any]) -> None:
+        self._log(("append_n", [b.block_id for b in blocks]))
+        self._q.append_n(blocks)
+
+    def prepend_n(self, blocks: list[Any]) -> None:
+        self._log(("prepend_n", [b.block_id for b in blocks]))
+        self._q.prepend_n(blocks)
+
+    def iter_blocks_after(self, cursor: Any) -> Iterator[Any]:
+        return self._q.iter_blocks_after(cursor)  # type: ignore[no-any-return]
+
+
+_KINDS = ("num_free_blocks", "popleft_n", "remove", "append_n", "prepend_n", "append", "popleft")
+
+
+def replay(log: QueueLog, queue_class: type, block_class: type, start_at: int) -> float:
+    """Seconds of ``log``'s calls from ``start_at`` on, made on a fresh ``queue_class`` as the
+    pool makes them, less the same loop making no call (the calls before run untimed)."""
+    blocks = [block_class(i) for i in range(log.num_blocks)]
+    queue = queue_class(blocks)
+    ops: list[tuple[int, Any]] = []
+    for op, arg in log.ops:
+        if op in ("remove", "append"):
+            arg = blocks[arg]
+        elif op in ("append_n", "prepend_n"):
+            arg = [blocks[i] for i in arg]
+        ops.append((_KINDS.index(op), arg))
+    _replay(queue, ops[:start_at])
+    ops = ops[start_at:]
+    start = CLOCK()
+    _replay(queue, ops)
+    calls = CLOCK() - start
+    start = CLOCK()
+    _replay_nothing(ops)
+    return calls - (CLOCK() - start)
+
+
+def _replay(q: Any, ops: list[tuple[int, Any]]) -> None:
+    for kind, arg in ops:
+        if kind == 0:
+            q.num_free_blocks  # noqa: B018
+        elif kind == 1:
+            q.popleft_n(arg)
+        elif kind == 2:
+            q.remove(arg)
+        elif kind == 3:
+            q.append_n(arg)
+        elif kind == 4:
+            q.prepend_n(arg)
+        elif kind == 5:
+            q.append(arg)
+        elif kind == 6:
+            q.popleft()
+
+
+def _replay_nothing(ops: list[tuple[int, Any]]) -> None:
+    # The same branches, each storing a constant instead of calling the queue.
+    last = -1
+    for kind, _arg in ops:
+        if kind == 0:
+            last = 0
+        elif kind == 1:
+            last = 1
+        elif kind == 2:
+            last = 2
+        elif kind == 3:
+            last = 3
+        elif kind == 4:
+            last = 4
+        elif kind == 5:
+            last = 5
+        elif kind == 6:
+            last = 6
+    del last
+
+
+# -- one fresh process ---------------------------------------------------------------------
+
+
+def shrink(w: Any, factor: int) -> Any:
+    return dataclasses.replace(w, steps=w.steps // factor, warmup_steps=w.warmup_steps // factor)
 
 
 def timed_run(driver: Any, w: Any) -> float:
@@ -84,27 +226,27 @@ def timed_run(driver: Any, w: Any) -> float:
         gc.enable()
 
 
-def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: int) -> float:
-    """One timed run on contender ``name``'s queue; it must schedule what vLLM's queue did."""
+def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: int) -> Any:
+    """One timed run on contender ``name``'s queue (its driver, with ``elapsed``); it must
+    schedule what vLLM's queue did."""
     import sched_engine
 
     queue_class = use(name)
     driver = sched_engine.Driver(factory, specs)
     assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is queue_class, name
-    elapsed = timed_run(driver, w)
+    driver.elapsed = timed_run(driver, w)
     if driver.fingerprint != reference:
         raise SystemExit(f"{name}: the schedule differs from the one on vLLM's own queue")
-    return elapsed
+    return driver
 
 
 def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]:
     """One run on vLLM's queue with its calls logged; evictions counted on the side."""
-    import engine_trace
     import sched_engine
     from vllm.v1.core import block_pool
 
     original = use(REFERENCE)
-    log = engine_trace.QueueLog(original)
+    log = QueueLog(original)
     evict = block_pool.BlockPool._maybe_evict_cached_block
     evicted = [0]
 
@@ -131,13 +273,9 @@ def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]
         calls[op] = calls.get(op, 0) + 1
         if op == "popleft_n":
             calls["blocks_allocated"] = calls.get("blocks_allocated", 0) + arg
-    return {
-        "log": log,
-        "mark": mark,
-        "counters": counters,
-        "queue_calls": calls,
-        "fingerprint": driver.fingerprint,
-    }
+            calls["popleft_n>1"] = calls.get("popleft_n>1", 0) + (arg > 1)
+    return {"log": log, "mark": mark, "counters": counters, "queue_calls": calls,
+            "fingerprint": driver.fingerprint}  # fmt: skip
 
 
 def sampled_shares(driver: Any, w: Any, queue_classes: list[type]) -> dict[str, int]:
@@ -160,10 +298,9 @@ def sampled_shares(driver: Any, w: Any, queue_classes: list[type]) -> dict[str, 
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
-    from machine import pin
+    from launch import pin
 
     cpu = pin(job.get("cpu"))
-    import engine_trace
     import sched_engine
     import sched_workload
     from vllm.v1.core import kv_cache_utils
@@ -176,46 +313,41 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"cpu": cpu, "pid": os.getpid(), "workloads": {}}
     names = list(job["workloads"])
     rng.shuffle(names)
+    contenders = list(job["contenders"])
     for wname in names:
-        w = shrink(sched_workload.WORKLOADS[wname], job["quick"])
+        w = shrink(sched_workload.WORKLOADS[wname], 2 if job["quick"] else 1)
         specs = sched_workload.make_workload(w)
         factory = sched_engine.SchedulerFactory(w, model)
         recorded = record_queue_calls(factory, specs, w)
         reference = recorded["fingerprint"]
-        queues = {name: use(name) for name in CONTENDERS}
-        contenders = list(CONTENDERS)
+        queues = {name: use(name) for name in contenders}
+
+        def shuffled() -> list[str]:
+            rng.shuffle(contenders)
+            return contenders
 
         for name in contenders:  # untimed: every contender's code and data warm
             run_contender(name, factory, specs, w, reference)
-        steps: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+        steps: dict[str, list[float]] = {n: [] for n in contenders}
+        queue: dict[str, list[float]] = {n: [] for n in contenders}
+        samples: dict[str, dict[str, int]] = {}
         for _ in range(job["reps"]):
-            rng.shuffle(contenders)
-            for name in contenders:
-                steps[name].append(run_contender(name, factory, specs, w, reference))
-        queue: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+            for name in shuffled():
+                steps[name].append(run_contender(name, factory, specs, w, reference).elapsed)
         for _ in range(job["reps"]):
-            rng.shuffle(contenders)
-            for name in contenders:
+            for name in shuffled():
                 gc.collect()
                 gc.disable()
                 try:
-                    calls, baseline = engine_trace.replay_queue_ops(
-                        recorded["log"],
-                        queues[name],
-                        kv_cache_utils.KVCacheBlock,
-                        CLOCK,
-                        recorded["mark"],
-                    )
+                    block_class = kv_cache_utils.KVCacheBlock
+                    queue[name].append(replay(recorded["log"], queues[name], block_class,
+                                              recorded["mark"]))  # fmt: skip
                 finally:
                     gc.enable()
-                queue[name].append(calls - baseline)
-        samples: dict[str, dict[str, int]] = {}
         for _ in range(job["reps"]):
-            rng.shuffle(contenders)
-            for name in contenders:
+            for name in shuffled():
                 use(name)
-                driver = sched_engine.Driver(factory, specs)
-                counts = sampled_shares(driver, w, python_queues)
+                counts = sampled_shares(sched_engine.Driver(factory, specs), w, python_queues)
                 total = samples.setdefault(name, dict.fromkeys(counts, 0))
                 for key, value in counts.items():
                     total[key] += value
@@ -233,38 +365,72 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-# -- the parent: processes, summary ---------------------------------------------------------
+# -- the equivalence check (CI) ------------------------------------------------------------
+
+
+def _pool_state(driver: Any) -> tuple[Any, ...]:
+    import sched_engine
+
+    pool = sched_engine.block_pool(driver.scheduler)
+    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return free, [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks]
+
+
+def check(workloads: list[str], contenders: list[str]) -> int:
+    import sched_engine
+    import sched_workload
+
+    model = sched_engine.model_dir()
+    failures = []
+    for wname in workloads:
+        # A quarter of the steps, no warm-up, an eighth of the pool: it fills, and evicts.
+        w = sched_workload.WORKLOADS[wname]
+        w = dataclasses.replace(w, steps=w.steps // 4, warmup_steps=0, num_blocks=w.num_blocks // 8)
+        specs = sched_workload.make_workload(w)
+        factory = sched_engine.SchedulerFactory(w, model)
+        recorded = record_queue_calls(factory, specs, w)
+        calls, counters = recorded["queue_calls"], recorded["counters"]
+        needed = ["popleft_n", "popleft_n>1", "append_n", "prepend_n", "num_free_blocks"]
+        needed += ["remove"] if wname == "prefix-heavy" else []
+        missing = [op for op in needed if not calls.get(op)]
+        missing += [k for k in ("evicted_blocks", "finished") if not counters[k]]
+        if missing:
+            failures.append(f"{wname}: the workload never reaches {missing}")
+        reached = ", ".join(f"{k} {v}" for k, v in sorted({**calls, **counters}.items()))
+        print(f"scheduler --check: {wname}, {w.steps} steps: {reached}", flush=True)
+        expected = None
+        for name in contenders:
+            try:
+                state = _pool_state(run_contender(name, factory, specs, w, recorded["fingerprint"]))
+            except SystemExit as exc:
+                failures.append(f"{wname}: {exc}")
+                continue
+            expected = expected or state
+            same = "same schedule, same pool" if state == expected else "THE POOL DIFFERS"
+            if state != expected:
+                failures.append(f"{wname}: {name}: the final pool differs from vLLM's")
+            print(f"scheduler --check: {wname} {name}: {same}", flush=True)
+    use(REFERENCE)
+    for failure in failures:
+        print(f"scheduler --check: FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+# -- the parent: processes, summary --------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import launch
     import machine
 
     rng = random.Random(args.seed)
-    records = []
-    started = time.monotonic()
-    for round_ in range(args.processes):
-        job = {
-            "workloads": args.workloads,
-            "seed": rng.randrange(2**32),
-            "reps": args.reps,
-            "quick": args.quick,
-            "cpu": args.cpu,
-        }
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode:
-            sys.stderr.write(proc.stderr[-5000:])
-            raise SystemExit(f"scheduler worker failed (round {round_})")
-        records.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(
-            f"[{round_ + 1}/{args.processes}] {time.monotonic() - started:5.0f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+    jobs = [
+        {"round": round_, "workloads": args.workloads, "contenders": args.contenders,
+         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu}
+        for round_ in range(args.processes)
+    ]  # fmt: skip
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    records = launch.run(command, jobs, lambda job: f"round {job['round'] + 1}")
     return {
         "machine": machine.describe(),
         "vllm": _vllm_version(),
@@ -273,6 +439,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "reps": args.reps,
             "quick": args.quick,
             "seed": args.seed,
+            "contenders": args.contenders,
+            "skipped": args.skipped,
             "sample_interval_s": SAMPLE_INTERVAL_S,
         },
         "loadavg": os.getloadavg(),
@@ -304,31 +472,39 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     from stats import bootstrap_median
 
     records = data["records"]
+    names = data["settings"]["contenders"]
     summary: dict[str, Any] = {}
     for wname in records[0]["workloads"]:
         per = [r["workloads"][wname] for r in records]
         steps = per[0]["timed_steps"]
+        step = [{n: median(p["step_s"][n]) for n in names} for p in per]  # per process
+        queue = [{n: median(p["queue_s"][n]) for n in names} for p in per]
         rows: dict[str, Any] = {}
-        for name in CONTENDERS:
-            step_med = [median(p["step_s"][name]) for p in per]
-            queue_med = [median(p["queue_s"][name]) for p in per]
-            ratio = [median(p["step_s"][name]) / median(p["step_s"][REFERENCE]) for p in per]
-            qratio = [median(p["queue_s"][name]) / median(p["queue_s"][REFERENCE]) for p in per]
-            qshare = [median(p["queue_s"][name]) / median(p["step_s"][name]) for p in per]
+        for name in names:
             # Sampled shares: ticks pooled over all runs of all processes.
             ticks = {k: sum(p["samples"][name][k] for p in per) for k in per[0]["samples"][name]}
             rows[name] = {
-                "us_per_step": median(step_med) / steps * 1e6,
-                "step_ratio": bootstrap_median(ratio),
-                "queue_us_per_step": median(queue_med) / steps * 1e6,
-                "queue_ratio": bootstrap_median(qratio),
-                "queue_share": bootstrap_median(qshare),
+                "us_per_step": median(m[name] for m in step) / steps * 1e6,
+                "step_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in step]),
+                "queue_us_per_step": median(m[name] for m in queue) / steps * 1e6,
+                "queue_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in queue]),
+                "queue_share": bootstrap_median(
+                    [q[name] / m[name] for q, m in zip(queue, step, strict=True)]
+                ),
                 "sampled": ticks,
-                "kv_manager_share": ticks["kv_manager"] / ticks["step"],
-                "pool_share": ticks["pool"] / ticks["step"],
-                "sampled_queue_share": ticks["queue"] / ticks["step"],
-                "process_spread": max(step_med) / min(step_med),
+                "shares": {k: ticks[k] / ticks["step"] for k in _SAMPLED},
+                "process_spread": max(m[name] for m in step) / min(m[name] for m in step),
             }
+        guard = {}
+        for name in names:
+            twin, _, on = name.partition("+")
+            if on and twin in names:
+                guard[twin] = {
+                    "ratio": bootstrap_median([m[name] / m[twin] for m in step]),
+                    "us_per_step": bootstrap_median(
+                        [(m[name] - m[twin]) / steps * 1e6 for m in step]
+                    ),
+                }
         summary[wname] = {
             "params": per[0]["params"],
             "timed_steps": steps,
@@ -336,8 +512,13 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "counters": per[0]["counters"],
             "queue_calls": per[0]["queue_calls"],
             "rows": rows,
+            "guard": guard,
         }
     return summary
+
+
+# Sampled layers (bench/sched_probe.py), in the table's order.
+_SAMPLED = {"kv_manager": "KV mgr", "pool": "pool", "queue": "queue", "kvqueue": "kvqueue other"}
 
 
 def _fmt(est: list[float] | tuple[float, float, float], digits: int = 3) -> str:
@@ -349,26 +530,45 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
 
     s = data["settings"]
     lines = [
-        f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per queue: median of "
+        f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per contender: median of "
         f"{s['processes']} fresh processes x {s['reps']} runs, [bootstrap 95% interval]. "
         "*step*: thread CPU time of `schedule()` + `update_from_output()`; *queue*: the run's "
-        "queue calls replayed alone; *KV mgr / pool / queue (sampled)*: share of step CPU "
-        "ticks with vLLM's KV-cache manager / `BlockPool` / a Python-level queue method on "
+        "queue calls replayed alone; *(sampled)*: share of step CPU ticks with vLLM's KV-cache "
+        "manager / `BlockPool` / a Python-level queue method / kvqueue's other Python code on "
         "the stack (`-`: compiled, invisible to the sampler).",
         "",
-        "| workload | queue | µs/step | step vs vllm | queue µs/step | queue share "
-        "| queue vs vllm | KV mgr (sampled) | pool (sampled) | queue (sampled) |",
-        "|---|---|---:|---|---:|---:|---|---:|---:|---:|",
+        "| workload | contender | µs/step | step vs vllm | queue µs/step | queue share "
+        "| queue vs vllm | " + " | ".join(f"{v} (sampled)" for v in _SAMPLED.values()) + " |",
+        "|---|---|---:|---|---:|---:|---|" + "---:|" * len(_SAMPLED),
     ]
     for wname, t in summary.items():
         for name, row in t["rows"].items():
-            sampled_queue = "-" if name == "cython" else f"{row['sampled_queue_share'] * 100:.1f}%"
+            compiled = name.startswith("cython")
+            cells = [
+                "-" if compiled and k in ("queue", "kvqueue") else f"{row['shares'][k] * 100:.1f}%"
+                for k in _SAMPLED
+            ]
             lines.append(
                 f"| {wname} | {name} | {row['us_per_step']:.0f} | {_fmt(row['step_ratio'])} | "
                 f"{row['queue_us_per_step']:.2f} | {row['queue_share'][0] * 100:.2f}% | "
-                f"{_fmt(row['queue_ratio'])} | {row['kv_manager_share'] * 100:.1f}% | "
-                f"{row['pool_share'] * 100:.1f}% | {sampled_queue} |"
+                f"{_fmt(row['queue_ratio'])} | " + " | ".join(cells) + " |"
             )
+    if any(t.get("guard") for t in summary.values()):
+        lines += [
+            "",
+            "The pool guard: each twin with the guard on against the same twin with it off, in "
+            "the same processes.",
+            "",
+            "| workload | twin | step, guard on / off | guard µs/step |",
+            "|---|---|---|---|",
+        ]
+        for wname, t in summary.items():
+            for twin, g in t.get("guard", {}).items():
+                lines.append(
+                    f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 2)} |"
+                )
+    if s.get("skipped"):
+        lines += ["", f"Not run: {s['skipped']}."]
     lines += ["", "Workloads (per timed step, from the recorded run on vLLM's queue):"]
     for wname, t in summary.items():
         n = t["timed_steps"]
@@ -383,7 +583,9 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
             f"{q.get('blocks_allocated', 0) / n:.1f} blocks allocated "
             f"({c['evicted_blocks'] / n:.1f} evicted from the prefix cache); queue calls "
             + ", ".join(
-                f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op != "blocks_allocated"
+                f"{op} {k / n:.1f}"
+                for op, k in sorted(q.items())
+                if op not in ("blocks_allocated", "popleft_n>1")
             )
             + f"; {ticks} sampled ticks in steps (vllm)."
         )
@@ -395,14 +597,16 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     import sched_workload
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="3 processes, half the steps")
+    parser.add_argument("--check", action="store_true", help="equivalence only, no timing")
     parser.add_argument("--processes", type=int, help="fresh processes (7; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
     parser.add_argument(
         "--workloads", default=",".join(sched_workload.WORKLOADS), help="comma-separated"
     )
@@ -413,12 +617,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
-        return
-    args.workloads = args.workloads.split(",")
+        return 0
     if args.summarize:
         data = json.loads(args.summarize.read_text())
         print(markdown(data, summarize(data)))
-        return
+        return 0
+    args.workloads = args.workloads.split(",")
+    args.contenders = [REFERENCE] + [c for c in args.contenders.split(",") if c != REFERENCE]
+    unknown = set(args.contenders) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"unknown contenders {sorted(unknown)} (known: {', '.join(CONTENDERS)})")
+    args.skipped = ""
+    why = guard_missing()
+    if why and any("+" in c for c in args.contenders):
+        args.skipped = ", ".join(c for c in args.contenders if "+" in c) + f" ({why})"
+        args.contenders = [c for c in args.contenders if "+" not in c]
+        print(f"scheduler: skipping {args.skipped}", file=sys.stderr)
+    if args.check:
+        return check(args.workloads, args.contenders)
     args.processes = args.processes or (3 if args.quick else 7)
     args.reps = args.reps or (3 if args.quick else 5)
     data = run(args)
@@ -428,7 +644,8 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(data, indent=1))
     print(markdown(data, data["summary"]))
     print(f"\n(raw results: {out})", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,7 +19,7 @@ from typing import Any
 import cases
 import contenders
 import validate
-from machine import pin
+from launch import pin
 
 
 def timed(bench: cases.Bench, loops: int) -> int:
