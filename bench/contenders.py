@@ -11,7 +11,6 @@ import vllm_source
 from kvqueue import KVCacheBlock
 
 
-
 def _name(version: str) -> str:
     return "vllm-" + ".".join(version.split(".")[:2])
 

@@ -32,7 +32,9 @@ def run(
         records.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         elapsed = time.monotonic() - started
         eta = elapsed / done * (len(jobs) - done)
-        line = f"[{done:>4}/{len(jobs)}] {label(job):<48} {elapsed:5.0f}s elapsed, ~{eta:4.0f}s left"
+        line = (
+            f"[{done:>4}/{len(jobs)}] {label(job):<48} {elapsed:5.0f}s elapsed, ~{eta:4.0f}s left"
+        )
         print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
     if tty:
         print(file=sys.stderr)

@@ -1,6 +1,6 @@
 """What a result was measured on: host, interpreter, compiler and the kvqueue under test.
 
-Recorded in every results file so that runs from several hosts can be merged side by side.
+Recorded in every results file, and named under every table and chart.
 """
 
 from __future__ import annotations

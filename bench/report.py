@@ -115,7 +115,7 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         f"Ratio of time to `{reference}` (median of {settings['processes']} processes x "
         f"{settings['samples']} samples, [bootstrap 95% interval]) · median time per cycle. "
-        "Every queue passed a randomized check against a list model before it was timed.",
+        "Every contender held the same order as the reference after the same warm-up.",
         f"{machine.short(results['machine'])}.",
         "",
         "| case | pool | one cycle | " + " | ".join(f"`{n}`" for n in names) + " |",
@@ -180,37 +180,4 @@ def versus(results: dict[str, Any]) -> str:
         estimates = [ratio(grouped[key], new, old) for new, old in pairs]
         cells = [fmt_estimate(e) if e is not None else "n/a" for e in estimates]
         lines.append(f"| {first['name']} | {first['pool']:,} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def merged_table(all_results: list[dict[str, Any]]) -> str:
-    """Several hosts side by side: a row per case and contender, a column per results file."""
-    hosts = [
-        f"{r['machine']['host']}: {r['machine']['machine']} {r['machine']['cpu']}, "
-        f"Python {r['machine']['python']}, {r['settings']['started']}, "
-        f"vs `{r['settings']['reference']}`"
-        for r in all_results
-    ]
-    summaries = [{row.key: row for row in summarize(r)} for r in all_results]
-    keys: list[str] = []
-    for summary in summaries:
-        keys += [key for key in summary if key not in keys]
-    names: list[str] = []
-    for r in all_results:
-        names += [name for name in r["settings"]["contenders"] if name not in names]
-    lines = [
-        "| case | pool | contender | " + " | ".join(hosts) + " |",
-        "|---|---:|---|" + "---:|" * len(hosts),
-    ]
-    for key in keys:
-        some = next(s[key] for s in summaries if key in s)
-        for name in names:
-            cells = [
-                _cell(s[key], name, r["settings"]["reference"]) if key in s else "n/a"
-                for s, r in zip(summaries, all_results, strict=True)
-            ]
-            if any(cell != "n/a" for cell in cells):
-                lines.append(
-                    f"| {some.name} | {some.pool:,} | `{name}` | " + " | ".join(cells) + " |"
-                )
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
     python bench/run.py            # the full comparison (downloads two vllm wheels once)
     python bench/run.py --quick    # pure / cython / deque only, no download, under a minute
-    python bench/run.py --merge a.json b.json   # several hosts side by side
+    python bench/run.py --summarize a.json     # re-tabulate a results file
     python bench/run.py --baseline 0895b1b      # also both twins as built from that commit
 
 Every case runs in ``--processes`` fresh processes (``worker.py``), in a new random case
@@ -28,7 +28,6 @@ import contenders
 import launch
 import machine
 import report
-import validate
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -46,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of orders and shuffles")
     parser.add_argument("--no-download", action="store_true", help="skip vLLM not cached")
     parser.add_argument("--out", type=Path, help="results JSON (default: bench/results/...)")
-    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="tabulate these")
+    parser.add_argument("--summarize", type=Path, metavar="JSON", help="re-tabulate a results file")
     parser.add_argument("--baseline", metavar="REV", help="also time the twins at git REV")
     args = parser.parse_args(argv)
     defaults = (3, 5, 2.0) if args.quick else (11, 9, 20.0)
@@ -85,10 +84,8 @@ def load_contenders(names: list[str], download: bool) -> tuple[list[str], dict[s
     usable, skipped = [], {}
     for name in names:
         try:
-            contender = contenders.load(name, download=download)
-            if contender.queue_class is not None:
-                validate.check(contender.queue_class)
-        except (LookupError, validate.WrongQueue) as exc:
+            contenders.load(name, download=download)
+        except LookupError as exc:
             skipped[name] = str(exc)
             print(f"skipping {name}: {exc}", file=sys.stderr)
             continue
@@ -180,12 +177,8 @@ def publish(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.merge:
-        loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.merge]
-        if len(loaded) == 1:
-            publish(loaded[0], args.merge[0])
-        else:
-            print(report.merged_table(loaded))
+    if args.summarize:
+        publish(json.loads(args.summarize.read_text(encoding="utf-8")), args.summarize)
         return
     results = bench(args)
     publish(results, save(results, args.out))

@@ -1,37 +1,29 @@
 """Engine-level benchmark on vLLM's real scheduler: vLLM's own queue, kvqueue's twins, the guard.
 
-    make bench-scheduler                        # the vLLM venv, full run (about 30 minutes)
-    python bench/scheduler.py --quick           # 3 processes, shorter workloads
+    make bench-scheduler                        # the vLLM venv, full run (about 20 minutes)
+    python bench/scheduler.py --quick           # 3 processes, half the steps
     python bench/scheduler.py --check           # no timing: every contender schedules alike
     python bench/scheduler.py --summarize bench/results/scheduler-....json
 
-Runs in a venv holding vLLM (the release vllm_tests/vllm.env pins) and kvqueue
-(vllm_tests/venv.sh makes it). vLLM's own ``Scheduler`` (bench/sched_engine.py: its real
-KVCacheManager and BlockPool, on the CPU, a fake model) serves the seeded workloads of
-bench/sched_workload.py (decode-heavy, prefix-heavy). Contenders: ``vllm`` (vLLM alone),
-``cython`` and ``python`` (``kvqueue.vllm.install(twin, pool_guard=False)``), ``cython+guard``
-and ``python+guard`` (the same with the pool guard on). A kvqueue whose ``install()`` has no
-``pool_guard`` parameter runs without the guard contenders, and says so.
+Runs in the venv of vllm_tests/venv.sh (vLLM as vllm_tests/vllm.env pins it, and kvqueue).
+vLLM's own ``Scheduler`` (bench/sched_engine.py: its real KVCacheManager and BlockPool, on the
+CPU, a fake model) serves the seeded workloads of bench/sched_workload.py. Contenders: ``vllm``
+(vLLM alone), ``cython`` and ``python`` (``kvqueue.vllm.install(twin, pool_guard=False)``),
+``cython+guard`` and ``python+guard`` (the pool guard on). A kvqueue whose ``install()`` has
+no ``pool_guard`` parameter runs without the guard contenders, and says so.
 
-Per fresh process (pinned to one CPU, workloads in random order) and per workload:
+Per fresh process (bench/launch.py) and per workload: one untimed run per contender, then
+``--reps`` runs each, the contenders in a new random order every time, the collector off.
+*Step time* is the thread CPU time inside ``schedule()`` + ``update_from_output()`` over the
+steps after the warm-up; every run must schedule exactly what vLLM alone did (a fingerprint of
+every step's requests, tokens and block ids), or the process fails. *Queue time* is the queue
+calls of one run on vLLM's queue, replayed alone on a fresh queue of each contender, less the
+same loop making no call. Ratios are taken within a process (against ``vllm``; the guard's
+against the same twin with the guard off), then the median over processes with a bootstrap
+95% interval (bench/stats.py). Results: bench/results/scheduler-*.json, a Markdown table.
 
-* step time: the thread CPU time inside ``schedule()`` + ``update_from_output()`` over the
-  timed steps (after a warm-up that fills the cache), one untimed run per contender first,
-  then ``--reps`` runs with the contenders in a new random order each time, the collector
-  off while timing. Every run must schedule exactly the same requests, tokens and block ids
-  as the first (a fingerprint per run), or the process fails;
-* queue time: the queue calls of one run (recorded on vLLM's queue) replayed alone on a
-  fresh queue of each contender, minus the same loop making no call;
-* shares: ``--reps`` more runs per contender under a CPU-clock sampling profiler
-  (bench/sched_probe.py): the part of the step in vLLM's KV-cache manager, in the block
-  pool, in a queue written in Python, and in kvqueue's other Python code (the pure guard).
-
-Ratios are taken within a process against ``vllm`` (and, for the guard, against the same twin
-with the guard off), then the median over processes with a percentile-bootstrap 95% interval
-(bench/stats.py). Results: bench/results/scheduler-*.json and a Markdown table on stdout.
-
-``--check`` (CI) runs each contender once on shortened workloads and fails unless every one
-schedules the same steps as vLLM alone and leaves the pool in the same state (free list in
+``--check`` (CI) runs each contender once on short workloads over a small pool, and fails
+unless every one schedules the same steps as vLLM alone and leaves the same pool (free list in
 order, every block's reference count and hash), and unless the workloads reach every queue
 call the pool makes and the prefix cache's eviction.
 """
@@ -57,7 +49,6 @@ RESULTS = HERE / "results"
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
 REFERENCE = "vllm"
 CLOCK = time.thread_time
-SAMPLE_INTERVAL_S = 0.001
 
 
 # -- the contenders ------------------------------------------------------------------------
@@ -117,32 +108,20 @@ class _LoggingQueue:
         self._log(("num_free_blocks", None))
         return int(self._q.num_free_blocks)
 
-    def popleft(self) -> Any:
-        self._log(("popleft", None))
-        return self._q.popleft()
-
-    def popleft_n(self, n: int) -> Any:
-        self._log(("popleft_n", n))
-        return self._q.popleft_n(n)
-
-    def remove(self, block: Any) -> None:
-        self._log(("remove", block.block_id))
-        self._q.remove(block)
-
-    def append(self, block: Any) -> None:
-        self._log(("append", block.block_id))
-        self._q.append(block)
-
-    def append_n(self, blocks: list[Any]) -> None:
-        self._log(("append_n", [b.block_id for b in blocks]))
-        self._q.append_n(blocks)
-
-    def prepend_n(self, blocks: list[Any]) -> None:
-        self._log(("prepend_n", [b.block_id for b in blocks]))
-        self._q.prepend_n(blocks)
-
     def iter_blocks_after(self, cursor: Any) -> Iterator[Any]:
         return self._q.iter_blocks_after(cursor)  # type: ignore[no-any-return]
+
+    def __getattr__(self, op: str) -> Any:
+        """The other calls, logged: a block by its id, a batch by its ids, a count as is."""
+        method = getattr(self._q, op)
+
+        def logged(*args: Any) -> Any:
+            arg = args[0] if args else None
+            ids = [b.block_id for b in arg] if isinstance(arg, (list, tuple)) else arg
+            self._log((op, getattr(arg, "block_id", ids)))
+            return method(*args)
+
+        return logged
 
 
 _KINDS = ("num_free_blocks", "popleft_n", "remove", "append_n", "prepend_n", "append", "popleft")
@@ -278,25 +257,6 @@ def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]
             "fingerprint": driver.fingerprint}  # fmt: skip
 
 
-def sampled_shares(driver: Any, w: Any, queue_classes: list[type]) -> dict[str, int]:
-    import sched_probe
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    step_codes = {Scheduler.schedule.__code__, Scheduler.update_from_output.__code__}
-    sampler = sched_probe.Sampler(
-        SAMPLE_INTERVAL_S, step_codes, sched_probe.method_codes(*queue_classes)
-    )
-    driver.run(w.warmup_steps, CLOCK)
-    gc.collect()
-    gc.disable()
-    try:
-        with sampler:
-            driver.run(w.steps - w.warmup_steps, CLOCK)
-    finally:
-        gc.enable()
-    return sampler.counts
-
-
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     from launch import pin
 
@@ -305,11 +265,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     import sched_workload
     from vllm.v1.core import kv_cache_utils
 
-    import kvqueue._queue_py
-
     rng = random.Random(job["seed"])
     model = sched_engine.model_dir()
-    python_queues = [kv_cache_utils.FreeKVCacheBlockQueue, kvqueue._queue_py.FreeKVCacheBlockQueue]
     result: dict[str, Any] = {"cpu": cpu, "pid": os.getpid(), "workloads": {}}
     names = list(job["workloads"])
     rng.shuffle(names)
@@ -330,7 +287,6 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             run_contender(name, factory, specs, w, reference)
         steps: dict[str, list[float]] = {n: [] for n in contenders}
         queue: dict[str, list[float]] = {n: [] for n in contenders}
-        samples: dict[str, dict[str, int]] = {}
         for _ in range(job["reps"]):
             for name in shuffled():
                 steps[name].append(run_contender(name, factory, specs, w, reference).elapsed)
@@ -344,13 +300,6 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                                               recorded["mark"]))  # fmt: skip
                 finally:
                     gc.enable()
-        for _ in range(job["reps"]):
-            for name in shuffled():
-                use(name)
-                counts = sampled_shares(sched_engine.Driver(factory, specs), w, python_queues)
-                total = samples.setdefault(name, dict.fromkeys(counts, 0))
-                for key, value in counts.items():
-                    total[key] += value
         use(REFERENCE)
         result["workloads"][wname] = {
             "params": dataclasses.asdict(w),
@@ -360,7 +309,6 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "queue_calls": recorded["queue_calls"],
             "step_s": steps,
             "queue_s": queue,
-            "samples": samples,
         }
     return result
 
@@ -441,7 +389,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "contenders": args.contenders,
             "skipped": args.skipped,
-            "sample_interval_s": SAMPLE_INTERVAL_S,
         },
         "loadavg": os.getloadavg(),
         "kvqueue_sources": _kvqueue_stamp(),
@@ -481,8 +428,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         queue = [{n: median(p["queue_s"][n]) for n in names} for p in per]
         rows: dict[str, Any] = {}
         for name in names:
-            # Sampled shares: ticks pooled over all runs of all processes.
-            ticks = {k: sum(p["samples"][name][k] for p in per) for k in per[0]["samples"][name]}
             rows[name] = {
                 "us_per_step": median(m[name] for m in step) / steps * 1e6,
                 "step_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in step]),
@@ -491,8 +436,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 "queue_share": bootstrap_median(
                     [q[name] / m[name] for q, m in zip(queue, step, strict=True)]
                 ),
-                "sampled": ticks,
-                "shares": {k: ticks[k] / ticks["step"] for k in _SAMPLED},
                 "process_spread": max(m[name] for m in step) / min(m[name] for m in step),
             }
         guard = {}
@@ -517,10 +460,6 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-# Sampled layers (bench/sched_probe.py), in the table's order.
-_SAMPLED = {"kv_manager": "KV mgr", "pool": "pool", "queue": "queue", "kvqueue": "kvqueue other"}
-
-
 def _fmt(est: list[float] | tuple[float, float, float], digits: int = 3) -> str:
     return f"{est[0]:.{digits}f} [{est[1]:.{digits}f}, {est[2]:.{digits}f}]"
 
@@ -533,48 +472,39 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
         f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per contender: median of "
         f"{s['processes']} fresh processes x {s['reps']} runs, [bootstrap 95% interval]. "
         "*step*: thread CPU time of `schedule()` + `update_from_output()`; *queue*: the run's "
-        "queue calls replayed alone; *(sampled)*: share of step CPU ticks with vLLM's KV-cache "
-        "manager / `BlockPool` / a Python-level queue method / kvqueue's other Python code on "
-        "the stack (`-`: compiled, invisible to the sampler).",
+        "queue calls replayed alone.",
         "",
         "| workload | contender | µs/step | step vs vllm | queue µs/step | queue share "
-        "| queue vs vllm | " + " | ".join(f"{v} (sampled)" for v in _SAMPLED.values()) + " |",
-        "|---|---|---:|---|---:|---:|---|" + "---:|" * len(_SAMPLED),
+        "| queue vs vllm |",
+        "|---|---|---:|---|---:|---:|---|",
     ]
     for wname, t in summary.items():
         for name, row in t["rows"].items():
-            compiled = name.startswith("cython")
-            cells = [
-                "-" if compiled and k in ("queue", "kvqueue") else f"{row['shares'][k] * 100:.1f}%"
-                for k in _SAMPLED
-            ]
             lines.append(
                 f"| {wname} | {name} | {row['us_per_step']:.0f} | {_fmt(row['step_ratio'])} | "
                 f"{row['queue_us_per_step']:.2f} | {row['queue_share'][0] * 100:.2f}% | "
-                f"{_fmt(row['queue_ratio'])} | " + " | ".join(cells) + " |"
+                f"{_fmt(row['queue_ratio'])} |"
             )
-    if any(t.get("guard") for t in summary.values()):
+    if any(t["guard"] for t in summary.values()):
         lines += [
             "",
-            "The pool guard: each twin with the guard on against the same twin with it off, in "
-            "the same processes.",
+            "The pool guard: each twin with the guard on against the same twin with it off, "
+            "in the same processes.",
             "",
             "| workload | twin | step, guard on / off | guard µs/step |",
             "|---|---|---|---|",
         ]
-        for wname, t in summary.items():
-            for twin, g in t.get("guard", {}).items():
-                lines.append(
-                    f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 2)} |"
-                )
-    if s.get("skipped"):
+        lines += [
+            f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 2)} |"
+            for wname, t in summary.items()
+            for twin, g in t["guard"].items()
+        ]
+    if s["skipped"]:
         lines += ["", f"Not run: {s['skipped']}."]
     lines += ["", "Workloads (per timed step, from the recorded run on vLLM's queue):"]
     for wname, t in summary.items():
-        n = t["timed_steps"]
-        c = t["counters"]
-        q = t["queue_calls"]
-        ticks = t["rows"][REFERENCE]["sampled"]["step"]
+        n, c, q = t["timed_steps"], t["counters"], t["queue_calls"]
+        calls = [f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op in _KINDS]
         lines.append(
             f"- {wname}: {t['requests']} requests, {n} timed steps after "
             f"{t['params']['warmup_steps']}; per step {c['scheduled_tokens'] / n:.0f} tokens "
@@ -582,12 +512,8 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
             f"finished, {c['preempted'] / n:.3f} preempted; "
             f"{q.get('blocks_allocated', 0) / n:.1f} blocks allocated "
             f"({c['evicted_blocks'] / n:.1f} evicted from the prefix cache); queue calls "
-            + ", ".join(
-                f"{op} {k / n:.1f}"
-                for op, k in sorted(q.items())
-                if op not in ("blocks_allocated", "popleft_n>1")
-            )
-            + f"; {ticks} sampled ticks in steps (vllm)."
+            + ", ".join(calls)
+            + "."
         )
     lines += [
         "",

@@ -60,7 +60,9 @@ def load_queue_class(version: str, block_class: type) -> type:
     """vLLM ``version``'s ``FreeKVCacheBlockQueue``, its definition alone exec'd in a fresh
     namespace with ``KVCacheBlock`` bound to ``block_class`` (annotations not evaluated)."""
     tree = ast.parse(source(version))
-    nodes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FreeKVCacheBlockQueue"]
+    nodes = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FreeKVCacheBlockQueue"
+    ]
     if not nodes:
         raise LookupError(f"vllm {version} {QUEUE_FILE} defines no FreeKVCacheBlockQueue")
     module = ast.Module(body=nodes, type_ignores=[])
