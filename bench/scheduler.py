@@ -1,6 +1,6 @@
 """Engine-level benchmark on vLLM's real scheduler: vLLM's own queue, kvqueue's twins, the guard.
 
-    make bench-scheduler                        # the vLLM venv, full run (about 20 minutes)
+    make bench-scheduler                        # the vLLM venv, full run (about 30 minutes)
     python bench/scheduler.py --quick           # 3 processes, half the steps
     python bench/scheduler.py --check           # no timing: every contender schedules alike
     python bench/scheduler.py --summarize bench/results/scheduler-....json
@@ -15,17 +15,17 @@ no ``pool_guard`` parameter runs without the guard contenders, and says so.
 Per fresh process (bench/launch.py) and per workload: one untimed run per contender, then
 ``--reps`` runs each, the contenders in a new random order every time, the collector off.
 *Step time* is the thread CPU time inside ``schedule()`` + ``update_from_output()`` over the
-steps after the warm-up; every run must schedule exactly what vLLM alone did (a fingerprint of
-every step's requests, tokens and block ids), or the process fails. *Queue time* is the queue
-calls of one run on vLLM's queue, replayed alone on a fresh queue of each contender, less the
-same loop making no call. Ratios are taken within a process (against ``vllm``; the guard's
-against the same twin with the guard off), then the median over processes with a bootstrap
-95% interval (bench/stats.py). Results: bench/results/scheduler-*.json, a Markdown table.
+steps after the warm-up. Every run must schedule exactly what vLLM alone did (a fingerprint of
+every step's requests, tokens and block ids) and leave the same pool (the free list in order,
+every block's reference count and hash), or the process fails. Ratios are taken within a
+process (against ``vllm``; the guard's against the same twin with the guard off), then the
+median over processes with a bootstrap 95% interval (bench/stats.py). The queue's own time is
+the microbenchmark's (bench/run.py); here one run on vLLM's queue counts its calls per step.
+Results: bench/results/scheduler-*.json and a Markdown table on stdout.
 
-``--check`` (CI) runs each contender once on short workloads over a small pool, and fails
-unless every one schedules the same steps as vLLM alone and leaves the same pool (free list in
-order, every block's reference count and hash), and unless the workloads reach every queue
-call the pool makes and the prefix cache's eviction.
+``--check`` (CI) runs each contender once on short workloads over a small pool (it fills and
+evicts), and fails on any such difference, or when the workloads miss a queue call the pool
+makes or the prefix cache's eviction.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -82,110 +81,50 @@ def use(name: str) -> type:
     return queue_class
 
 
-# -- the queue calls of one run, recorded and replayed -------------------------------------
+# -- the queue calls of one run, counted ---------------------------------------------------
 
 
-class QueueLog:
-    """Stands for a queue class: builds ``queue_class`` queues whose calls are logged by id."""
+class QueueCounter:
+    """Stands for a queue class: builds ``queue_class`` queues that count their calls."""
 
     def __init__(self, queue_class: type) -> None:
         self.queue_class = queue_class
-        self.ops: list[tuple[str, Any]] = []
-        self.num_blocks = 0
+        self.calls: dict[str, int] = {}
 
     def __call__(self, blocks: list[Any]) -> Any:
-        self.num_blocks = len(blocks)
-        return _LoggingQueue(self.queue_class(blocks), self.ops)
+        return _CountingQueue(self.queue_class(blocks), self.calls)
 
 
-class _LoggingQueue:
-    def __init__(self, queue: Any, ops: list[tuple[str, Any]]) -> None:
+class _CountingQueue:
+    def __init__(self, queue: Any, calls: dict[str, int]) -> None:
         self._q = queue
-        self._log = ops.append
+        self._calls = calls
+
+    def _count(self, op: str, n: int = 1) -> None:
+        self._calls[op] = self._calls.get(op, 0) + n
 
     @property
     def num_free_blocks(self) -> int:
-        self._log(("num_free_blocks", None))
+        self._count("num_free_blocks")
         return int(self._q.num_free_blocks)
 
-    def iter_blocks_after(self, cursor: Any) -> Iterator[Any]:
-        return self._q.iter_blocks_after(cursor)  # type: ignore[no-any-return]
+    def popleft_n(self, n: int) -> Any:
+        self._count("popleft_n")
+        self._count("popleft_n>1", n > 1)
+        self._count("blocks_allocated", n)
+        return self._q.popleft_n(n)
 
     def __getattr__(self, op: str) -> Any:
-        """The other calls, logged: a block by its id, a batch by its ids, a count as is."""
+        """Every other method, counted by name."""
         method = getattr(self._q, op)
+        if not callable(method):
+            return method
 
-        def logged(*args: Any) -> Any:
-            arg = args[0] if args else None
-            ids = [b.block_id for b in arg] if isinstance(arg, (list, tuple)) else arg
-            self._log((op, getattr(arg, "block_id", ids)))
+        def counted(*args: Any) -> Any:
+            self._count(op)
             return method(*args)
 
-        return logged
-
-
-_KINDS = ("num_free_blocks", "popleft_n", "remove", "append_n", "prepend_n", "append", "popleft")
-
-
-def replay(log: QueueLog, queue_class: type, block_class: type, start_at: int) -> float:
-    """Seconds of ``log``'s calls from ``start_at`` on, made on a fresh ``queue_class`` as the
-    pool makes them, less the same loop making no call (the calls before run untimed)."""
-    blocks = [block_class(i) for i in range(log.num_blocks)]
-    queue = queue_class(blocks)
-    ops: list[tuple[int, Any]] = []
-    for op, arg in log.ops:
-        if op in ("remove", "append"):
-            arg = blocks[arg]
-        elif op in ("append_n", "prepend_n"):
-            arg = [blocks[i] for i in arg]
-        ops.append((_KINDS.index(op), arg))
-    _replay(queue, ops[:start_at])
-    ops = ops[start_at:]
-    start = CLOCK()
-    _replay(queue, ops)
-    calls = CLOCK() - start
-    start = CLOCK()
-    _replay_nothing(ops)
-    return calls - (CLOCK() - start)
-
-
-def _replay(q: Any, ops: list[tuple[int, Any]]) -> None:
-    for kind, arg in ops:
-        if kind == 0:
-            q.num_free_blocks  # noqa: B018
-        elif kind == 1:
-            q.popleft_n(arg)
-        elif kind == 2:
-            q.remove(arg)
-        elif kind == 3:
-            q.append_n(arg)
-        elif kind == 4:
-            q.prepend_n(arg)
-        elif kind == 5:
-            q.append(arg)
-        elif kind == 6:
-            q.popleft()
-
-
-def _replay_nothing(ops: list[tuple[int, Any]]) -> None:
-    # The same branches, each storing a constant instead of calling the queue.
-    last = -1
-    for kind, _arg in ops:
-        if kind == 0:
-            last = 0
-        elif kind == 1:
-            last = 1
-        elif kind == 2:
-            last = 2
-        elif kind == 3:
-            last = 3
-        elif kind == 4:
-            last = 4
-        elif kind == 5:
-            last = 5
-        elif kind == 6:
-            last = 6
-    del last
+        return counted
 
 
 # -- one fresh process ---------------------------------------------------------------------
@@ -205,27 +144,38 @@ def timed_run(driver: Any, w: Any) -> float:
         gc.enable()
 
 
-def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: int) -> Any:
-    """One timed run on contender ``name``'s queue (its driver, with ``elapsed``); it must
-    schedule what vLLM's queue did."""
+def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: Any) -> float:
+    """One timed run on contender ``name``; it must schedule what vLLM alone did and leave the
+    same pool (``reference``: ``record_queue_calls()``'s), or the process fails."""
     import sched_engine
 
     queue_class = use(name)
     driver = sched_engine.Driver(factory, specs)
     assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is queue_class, name
-    driver.elapsed = timed_run(driver, w)
-    if driver.fingerprint != reference:
-        raise SystemExit(f"{name}: the schedule differs from the one on vLLM's own queue")
-    return driver
+    elapsed = timed_run(driver, w)
+    if driver.fingerprint != reference["fingerprint"]:
+        raise SystemExit(f"{name}: the schedule differs from vLLM's alone")
+    if pool_state(driver) != reference["pool"]:
+        raise SystemExit(f"{name}: the pool after the run differs from vLLM's alone")
+    return elapsed
+
+
+def pool_state(driver: Any) -> tuple[Any, ...]:
+    """The free list in order, and every block's id, reference count and hash."""
+    import sched_engine
+
+    pool = sched_engine.block_pool(driver.scheduler)
+    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return free, [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks]
 
 
 def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]:
-    """One run on vLLM's queue with its calls logged; evictions counted on the side."""
+    """One run on vLLM's queue with its calls counted (after the warm-up), and evictions."""
     import sched_engine
     from vllm.v1.core import block_pool
 
     original = use(REFERENCE)
-    log = QueueLog(original)
+    log = QueueCounter(original)
     evict = block_pool.BlockPool._maybe_evict_cached_block
     evicted = [0]
 
@@ -239,22 +189,16 @@ def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]
     try:
         driver = sched_engine.Driver(factory, specs)
         driver.run(w.warmup_steps, CLOCK)
-        mark, evicted_warmup = len(log.ops), evicted[0]
-        before = dict(driver.counters)
+        evicted_warmup, before = evicted[0], dict(driver.counters)
+        log.calls.clear()
         driver.run(w.steps - w.warmup_steps, CLOCK)
     finally:
         block_pool.FreeKVCacheBlockQueue = original  # type: ignore[attr-defined]
         block_pool.BlockPool._maybe_evict_cached_block = evict  # type: ignore[method-assign]
     counters = {k: v - before[k] for k, v in driver.counters.items()}
     counters["evicted_blocks"] = evicted[0] - evicted_warmup
-    calls: dict[str, int] = {}
-    for op, arg in log.ops[mark:]:
-        calls[op] = calls.get(op, 0) + 1
-        if op == "popleft_n":
-            calls["blocks_allocated"] = calls.get("blocks_allocated", 0) + arg
-            calls["popleft_n>1"] = calls.get("popleft_n>1", 0) + (arg > 1)
-    return {"log": log, "mark": mark, "counters": counters, "queue_calls": calls,
-            "fingerprint": driver.fingerprint}  # fmt: skip
+    return {"counters": counters, "queue_calls": log.calls, "fingerprint": driver.fingerprint,
+            "pool": pool_state(driver)}  # fmt: skip
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -263,7 +207,6 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     cpu = pin(job.get("cpu"))
     import sched_engine
     import sched_workload
-    from vllm.v1.core import kv_cache_utils
 
     rng = random.Random(job["seed"])
     model = sched_engine.model_dir()
@@ -276,30 +219,13 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         specs = sched_workload.make_workload(w)
         factory = sched_engine.SchedulerFactory(w, model)
         recorded = record_queue_calls(factory, specs, w)
-        reference = recorded["fingerprint"]
-        queues = {name: use(name) for name in contenders}
-
-        def shuffled() -> list[str]:
-            rng.shuffle(contenders)
-            return contenders
-
         for name in contenders:  # untimed: every contender's code and data warm
-            run_contender(name, factory, specs, w, reference)
+            run_contender(name, factory, specs, w, recorded)
         steps: dict[str, list[float]] = {n: [] for n in contenders}
-        queue: dict[str, list[float]] = {n: [] for n in contenders}
         for _ in range(job["reps"]):
-            for name in shuffled():
-                steps[name].append(run_contender(name, factory, specs, w, reference).elapsed)
-        for _ in range(job["reps"]):
-            for name in shuffled():
-                gc.collect()
-                gc.disable()
-                try:
-                    block_class = kv_cache_utils.KVCacheBlock
-                    queue[name].append(replay(recorded["log"], queues[name], block_class,
-                                              recorded["mark"]))  # fmt: skip
-                finally:
-                    gc.enable()
+            rng.shuffle(contenders)
+            for name in contenders:
+                steps[name].append(run_contender(name, factory, specs, w, recorded))
         use(REFERENCE)
         result["workloads"][wname] = {
             "params": dataclasses.asdict(w),
@@ -308,20 +234,11 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "counters": recorded["counters"],
             "queue_calls": recorded["queue_calls"],
             "step_s": steps,
-            "queue_s": queue,
         }
     return result
 
 
 # -- the equivalence check (CI) ------------------------------------------------------------
-
-
-def _pool_state(driver: Any) -> tuple[Any, ...]:
-    import sched_engine
-
-    pool = sched_engine.block_pool(driver.scheduler)
-    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
-    return free, [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks]
 
 
 def check(workloads: list[str], contenders: list[str]) -> int:
@@ -346,18 +263,13 @@ def check(workloads: list[str], contenders: list[str]) -> int:
             failures.append(f"{wname}: the workload never reaches {missing}")
         reached = ", ".join(f"{k} {v}" for k, v in sorted({**calls, **counters}.items()))
         print(f"scheduler --check: {wname}, {w.steps} steps: {reached}", flush=True)
-        expected = None
         for name in contenders:
             try:
-                state = _pool_state(run_contender(name, factory, specs, w, recorded["fingerprint"]))
+                run_contender(name, factory, specs, w, recorded)
             except SystemExit as exc:
                 failures.append(f"{wname}: {exc}")
                 continue
-            expected = expected or state
-            same = "same schedule, same pool" if state == expected else "THE POOL DIFFERS"
-            if state != expected:
-                failures.append(f"{wname}: {name}: the final pool differs from vLLM's")
-            print(f"scheduler --check: {wname} {name}: {same}", flush=True)
+            print(f"scheduler --check: {wname} {name}: same schedule, same pool", flush=True)
     use(REFERENCE)
     for failure in failures:
         print(f"scheduler --check: FAIL: {failure}", file=sys.stderr)
@@ -425,17 +337,11 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         per = [r["workloads"][wname] for r in records]
         steps = per[0]["timed_steps"]
         step = [{n: median(p["step_s"][n]) for n in names} for p in per]  # per process
-        queue = [{n: median(p["queue_s"][n]) for n in names} for p in per]
         rows: dict[str, Any] = {}
         for name in names:
             rows[name] = {
                 "us_per_step": median(m[name] for m in step) / steps * 1e6,
                 "step_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in step]),
-                "queue_us_per_step": median(m[name] for m in queue) / steps * 1e6,
-                "queue_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in queue]),
-                "queue_share": bootstrap_median(
-                    [q[name] / m[name] for q, m in zip(queue, step, strict=True)]
-                ),
                 "process_spread": max(m[name] for m in step) / min(m[name] for m in step),
             }
         guard = {}
@@ -460,6 +366,9 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+_DERIVED = ("blocks_allocated", "popleft_n>1")
+
+
 def _fmt(est: list[float] | tuple[float, float, float], digits: int = 3) -> str:
     return f"{est[0]:.{digits}f} [{est[1]:.{digits}f}, {est[2]:.{digits}f}]"
 
@@ -471,19 +380,16 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     lines = [
         f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per contender: median of "
         f"{s['processes']} fresh processes x {s['reps']} runs, [bootstrap 95% interval]. "
-        "*step*: thread CPU time of `schedule()` + `update_from_output()`; *queue*: the run's "
-        "queue calls replayed alone.",
+        "Step: thread CPU time of `schedule()` + `update_from_output()`.",
         "",
-        "| workload | contender | µs/step | step vs vllm | queue µs/step | queue share "
-        "| queue vs vllm |",
-        "|---|---|---:|---|---:|---:|---|",
+        "| workload | contender | µs/step | step vs vllm | spread over processes |",
+        "|---|---|---:|---|---:|",
     ]
     for wname, t in summary.items():
         for name, row in t["rows"].items():
             lines.append(
                 f"| {wname} | {name} | {row['us_per_step']:.0f} | {_fmt(row['step_ratio'])} | "
-                f"{row['queue_us_per_step']:.2f} | {row['queue_share'][0] * 100:.2f}% | "
-                f"{_fmt(row['queue_ratio'])} |"
+                f"{row['process_spread']:.3f} |"
             )
     if any(t["guard"] for t in summary.values()):
         lines += [
@@ -504,7 +410,7 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     lines += ["", "Workloads (per timed step, from the recorded run on vLLM's queue):"]
     for wname, t in summary.items():
         n, c, q = t["timed_steps"], t["counters"], t["queue_calls"]
-        calls = [f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op in _KINDS]
+        calls = [f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op not in _DERIVED]
         lines.append(
             f"- {wname}: {t['requests']} requests, {n} timed steps after "
             f"{t['params']['warmup_steps']}; per step {c['scheduled_tokens'] / n:.0f} tokens "
