@@ -1,12 +1,12 @@
 """Benchmark kvqueue's twins against vLLM's own FreeKVCacheBlockQueue and collections.deque.
 
-    python bench/run.py            # the full comparison (downloads two vllm wheels once)
-    python bench/run.py --quick    # pure / cython / deque only, no download, under a minute
-    python bench/run.py --summarize a.json     # re-tabulate a results file
-    python bench/run.py --baseline 0895b1b      # also both twins as built from that commit
+    python bench/run.py                     # the full comparison (two vLLM sdists, once)
+    python bench/run.py --quick             # pure / cython / deque only, no download, < 1 min
+    python bench/run.py --baseline bd0fe74  # also both twins as built from that commit
+    python bench/run.py --summarize a.json  # re-tabulate a results file
 
-Every case runs in ``--processes`` fresh processes (``worker.py``), in a new random case
-order per round; the Markdown table goes to stdout, the raw samples to a JSON file and the
+Every case runs in ``--processes`` fresh processes (``worker.py``, through ``launch.py``), in
+a new random case order per round; the Markdown table goes to stdout, the raw samples to a JSON file and the
 ratio chart to a PNG beside it (with matplotlib). It times whatever ``kvqueue`` imports.
 """
 
