@@ -6,8 +6,9 @@
     python bench/run.py --summarize a.json  # re-tabulate a results file
 
 Every case runs in ``--processes`` fresh processes (``worker.py``, through ``launch.py``), in
-a new random case order per round; the Markdown table goes to stdout, the raw samples to a JSON file and the
-ratio chart to a PNG beside it (with matplotlib). It times whatever ``kvqueue`` imports.
+a new random case order per round; the Markdown table goes to stdout, the raw samples to a
+JSON file and the ratio chart to a PNG beside it (with matplotlib). It times whatever
+``kvqueue`` imports.
 """
 
 from __future__ import annotations
