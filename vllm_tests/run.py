@@ -1,4 +1,6 @@
-"""vLLM's own tests (the release vllm.env pins), three ways: vLLM's queue, kvqueue's compiled twin, its pure twin.
+"""vLLM's own tests, three ways: vLLM's queue, kvqueue's compiled twin, its pure twin.
+
+vLLM is the release vllm_tests/vllm.env pins.
 
 Run with the python of vllm_tests/venv.sh (``make vllm-tests``). vLLM's test files come from
 its sdist (sdist.py), model ids resolve to configuration files only (hub.py), and pytest runs

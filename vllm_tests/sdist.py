@@ -1,15 +1,16 @@
 """vLLM's own test files for one release, from its sdist on the package index; print their root.
 
-``python vllm_tests/sdist.py [VERSION]`` (default: ``VLLM_VERSION`` of vllm.env) prints a directory holding the sdist's ``tests/``,
-``examples/`` (scripts some tests load) and ``pyproject.toml`` (vLLM's pytest configuration) and
-nothing else of it: with ``vllm/`` left out, ``import vllm`` in the tests finds the installed
-wheel, not the sdist's source tree.
+``python vllm_tests/sdist.py [VERSION]`` (default: ``VLLM_VERSION`` of vllm.env) prints a
+directory holding the sdist's ``tests/``, ``examples/`` (scripts some tests load) and
+``pyproject.toml`` (vLLM's pytest configuration) and nothing else of it: with ``vllm/`` left
+out, ``import vllm`` in the tests finds the installed wheel, not the sdist's source tree.
 
 The file is found through pip's configured index (``index-url`` from pip's own configuration,
 environment included; pip's default otherwise) with the simple repository API (PEP 691 JSON),
 checked against the sha256 the index gives, and kept under the cache root (``cache_dir()``:
-``$KVQUEUE_CI_CACHE``, default ``$XDG_CACHE_HOME/kvqueue`` or ``~/.cache/kvqueue``). ``pip download --no-binary`` is not used: it builds vLLM's metadata, which
-needs its build requirements and may name the result ``X.Y.Z+empty``.
+``$KVQUEUE_CI_CACHE``, default ``$XDG_CACHE_HOME/kvqueue`` or ``~/.cache/kvqueue``).
+``pip download --no-binary`` is not used: it builds vLLM's metadata, which needs its build
+requirements and may name the result ``X.Y.Z+empty``.
 
 Raises ``LookupError`` when the index lists no sdist of that version, ``ValueError`` on a hash
 mismatch, ``urllib.error.URLError`` when the index cannot be reached.
