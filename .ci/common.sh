@@ -5,6 +5,14 @@
 # the benchmark's baseline builds. bench/ and vllm_tests/ (Python) read it in
 # vllm_tests/sdist.py's cache_dir().
 CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue}
+# The old names of the CI variables: refused, not ignored (a venv or cache set under an old
+# name would silently be the default one).
+for old in KVQUEUE_CACHE KVQUEUE_VLLM_VENV KVQUEUE_WHEEL_PYTHONS KVQUEUE_AARCH64_PYTHONS; do
+    if [[ -n ${!old:-} ]]; then
+        echo "$old is now KVQUEUE_CI_${old#KVQUEUE_} (.ci/common.sh)" >&2
+        exit 2
+    fi
+done
 # VLLM_VERSION and TORCH_VERSION: the vLLM release the checks and benchmarks run against.
 . "$(dirname "${BASH_SOURCE[0]}")/../vllm_tests/vllm.env"
 
