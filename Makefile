@@ -1,29 +1,61 @@
-# Each target makes its own virtual environment, so these work on a fresh machine:
-# $(VENV) holds kvqueue with its test and lint extras (test, lint, memcheck), and
-# $(BENCH_VENV) kvqueue with the bench extra only (bench, bench-engine, engine-check).
+# Each target makes the virtual environment it needs, so these work on a fresh machine.
+#
+#   make test             the suite, both twins, against kvqueue installed into .venv-<python>
+#                         (the test extra: pytest, hypothesis); PYTHON=python3.13 make test runs
+#                         3.13 in its own .venv-cpython-3.13.x
+#   make lint             ruff, mypy, cython-lint (the lint extra), in .venv-lint-<python>
+#   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
+#   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
+#   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
+#   make memcheck         the compiled twin under AddressSanitizer and valgrind
+#   make py314            the wheel and the suite on Debian unstable's CPython 3.14 (root)
+#   make clean
+#
+# bench-scheduler and vllm-tests always run $(PYTHON311) (default python3.11, whatever PYTHON
+# says), in the vLLM venv of vllm_tests/venv.sh, for the vLLM release vllm_tests/vllm.env pins.
+# Downloads and that venv live under one cache root: $KVQUEUE_CI_CACHE, default
+# ~/.cache/kvqueue (.ci/common.sh). .ci/run runs everything CI runs.
+include vllm_tests/vllm.env
+
 PYTHON ?= python3
-VENV ?= .venv
-BENCH_VENV ?= .venv-bench
+PYTHON311 ?= python3.11
+# One venv per interpreter: its implementation and full version name it (a PYTHON that does not
+# run names none, and the venv's first command fails with the reason).
+PYTAG := $(or $(shell $(PYTHON) -c 'import sys; print(sys.implementation.name + "-" + ".".join(map(str, sys.version_info[:3])))' 2>/dev/null),no-python)
+VENV ?= .venv-$(PYTAG)
+LINT_VENV ?= .venv-lint-$(PYTAG)
+BENCH_VENV ?= .venv-bench-$(PYTAG)
 PY := $(VENV)/bin/python
+LINT_PY := $(LINT_VENV)/bin/python
 BENCH_PY := $(BENCH_VENV)/bin/python
+PIP := -m pip install -q
 # What an install is built from. Not the _queue.c / _queue.h that every build
 # writes into src/: with them, each install would make the next one stale.
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
 
-.PHONY: test bench bench-engine bench-scheduler engine-check lint memcheck py314 vllm-tests clean
+.PHONY: test bench bench-scheduler lint memcheck py314 vllm-tests clean
 
 $(VENV)/.ready: $(SOURCES)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q ".[test,lint]"
+	$(PYTHON) -m venv --clear $(VENV)
+	$(PY) $(PIP) --upgrade pip
+	$(PY) $(PIP) ".[test]"
 	touch $@
 
-# The bench extra (matplotlib) draws the chart beside the table.
+# mypy reads the tests too, so the lint venv has the test extra as well.
+$(LINT_VENV)/.ready: $(SOURCES)
+	$(PYTHON) -m venv --clear $(LINT_VENV)
+	$(LINT_PY) $(PIP) --upgrade pip
+	$(LINT_PY) $(PIP) ".[test,lint]"
+	touch $@
+
+# Built without isolation, with the build requirements installed in the venv: the Cython that
+# compiled the timed module is then the one the results (and the chart) name.
 $(BENCH_VENV)/.ready: $(SOURCES)
-	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_PY) -m pip install -q --upgrade pip
-	$(BENCH_PY) -m pip install -q ".[bench]"
+	$(PYTHON) -m venv --clear $(BENCH_VENV)
+	$(BENCH_PY) $(PIP) --upgrade pip
+	$(BENCH_PY) $(PIP) $$($(BENCH_PY) .ci/build_requires.py)
+	$(BENCH_PY) $(PIP) --no-build-isolation ".[bench]"
 	touch $@
 
 # The suite runs against the installed package, never against src/.
@@ -31,42 +63,33 @@ test: $(VENV)/.ready
 	$(PY) -c "import kvqueue, sys; print(sys.version.split()[0], kvqueue.IMPLEMENTATION)"
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: $(VENV)/.ready
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
-	$(PY) -m mypy
-	PATH="$(VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx
+lint: $(LINT_VENV)/.ready
+	$(LINT_PY) -m ruff check src tests bench .ci
+	$(LINT_PY) -m ruff format --check src tests bench .ci
+	$(LINT_PY) -m mypy
+	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx
 
 bench: $(BENCH_VENV)/.ready
 	$(BENCH_PY) bench/run.py $(BENCH_ARGS)
 
-# vLLM's real block pool driven by a serving trace: the same steps with each twin
-# as with vLLM's own queue (fetches the vLLM 0.33.0 and 0.30.0 wheels once, about
-# 340 MB each; ENGINE_CHECK_ARGS="--versions 0.33.0" for one).
-engine-check: $(BENCH_VENV)/.ready
-	$(BENCH_PY) bench/engine_check.py $(ENGINE_CHECK_ARGS)
-
-# The same pool timed, once per queue, after the check.
-bench-engine: engine-check
-	$(BENCH_PY) bench/engine.py $(BENCH_ARGS)
-
-# vLLM 0.33.0's own Scheduler on the CPU, once per queue, in the vLLM venv of
-# vllm_tests/venv.sh (built once, kvqueue reinstalled when its sources change).
+# vLLM's own Scheduler on the CPU: vLLM's queue, each twin with the pool guard off and on.
 bench-scheduler:
-	venv=$$(bash vllm_tests/venv.sh) && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
+	@echo "bench-scheduler: vLLM $(VLLM_VERSION) on $(PYTHON311)"
+	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
+	    && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
 
-# vLLM 0.33.0's own tests three ways: its queue, kvqueue's twins (vllm_tests/run.py;
+# vLLM's own tests three ways: its queue, kvqueue's twins (vllm_tests/run.py;
 # VLLM_TESTS_ARGS=--quick: three suites), then kvqueue's tests against the real vLLM.
 vllm-tests:
-	venv=$$(bash vllm_tests/venv.sh) \
+	@echo "vllm-tests: vLLM $(VLLM_VERSION) on $(PYTHON311)"
+	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
 	    && "$$venv/bin/python" vllm_tests/run.py $(VLLM_TESTS_ARGS) \
 	    && "$$venv/bin/python" -m pytest -p no:cacheprovider -p no:asyncio vllm_tests
 
-# The compiled twin under AddressSanitizer and valgrind (MEMCHECK_ARGS=--full: whole suite).
+# MEMCHECK_ARGS=--full: the whole suite under both tools.
 memcheck: $(VENV)/.ready
-	bash tools/memcheck.sh $(MEMCHECK_ARGS)
+	VENV=$(VENV) bash .ci/memcheck.sh $(MEMCHECK_ARGS)
 
-# The wheel, the whole suite and bench --quick on Debian unstable's CPython 3.14 (root only).
 py314:
 	bash .ci/py314.sh
 

@@ -4,13 +4,13 @@
 # user-mode emulation (qemu-aarch64-static, no binfmt registration needed).
 #
 # Needs root (apt-get) the first time; installs everything it uses. Heavy
-# things are cached under $KVQUEUE_CI_CACHE (default ~/.cache/kvqueue-ci):
+# things are cached under the cache root of .ci/common.sh:
 # the arm64 sysroot, its debs, the host build venv and the aarch64 test deps.
 # A second run reuses them; deleting the cache directory starts from scratch.
 #
 # Python version: the host Debian release's arm64 python3 (bookworm: 3.11,
 # trixie: 3.13), built with the pyenv CPython of the same minor version.
-# KVQUEUE_AARCH64_PYTHONS="3.11 3.13" asks for more minors when the arm64
+# KVQUEUE_CI_AARCH64_PYTHONS="3.11 3.13" asks for more minors when the arm64
 # archive has them (each must exist in the archive and under pyenv).
 #
 # Usage: bash .ci/aarch64.sh            (from anywhere; the repo is found from this file)
@@ -19,7 +19,6 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$ROOT/.ci/common.sh"
-CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}
 export QEMU_CPU=${QEMU_CPU:-cortex-a72}   # the default CPU emulates pointer auth slowly
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 export DEBIAN_FRONTEND=noninteractive
@@ -65,8 +64,8 @@ if [[ ! -f "$APTDIR/updated" || -n $(find "$APTDIR/updated" -mtime +0) ]]; then
 fi
 
 # Which minor versions: the release's default python3 unless asked otherwise.
-if [[ -n ${KVQUEUE_AARCH64_PYTHONS:-} ]]; then
-    read -r -a MINORS <<<"$KVQUEUE_AARCH64_PYTHONS"
+if [[ -n ${KVQUEUE_CI_AARCH64_PYTHONS:-} ]]; then
+    read -r -a MINORS <<<"$KVQUEUE_CI_AARCH64_PYTHONS"
 else
     defver=$(apt-cache "${APT[@]}" show python3 2>/dev/null | sed -n 's/^Version: \([0-9]*\.[0-9]*\).*/\1/p' | head -1 || true)
     [[ -n $defver ]] || die "cannot tell the arm64 archive's python3 version"
@@ -215,12 +214,12 @@ PY
     chmod +x "$EMU/python$v"
     cat > "$EMU/sitecustomize.py" <<'PY'
 import os, sys
-if os.environ.get("KVQUEUE_QEMU_PYTHON"):
-    sys.executable = os.environ["KVQUEUE_QEMU_PYTHON"]
+if os.environ.get("_KVQUEUE_QEMU_PYTHON"):
+    sys.executable = os.environ["_KVQUEUE_QEMU_PYTHON"]
 PY
     (
         cd "$SUITE"
-        export PYTHONPATH="$SITE:$TD:$EMU" KVQUEUE_QEMU_PYTHON="$EMU/python$v"
+        export PYTHONPATH="$SITE:$TD:$EMU" _KVQUEUE_QEMU_PYTHON="$EMU/python$v"
         unset _PYTHON_HOST_PLATFORM _PYTHON_SYSCONFIGDATA_NAME
         "${runpy[@]}" -c "
 import platform, sys, kvqueue

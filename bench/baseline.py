@@ -3,7 +3,7 @@
 ``run.py --baseline REV`` times ``pure@REV`` and ``cython@REV`` next to today's twins. The
 package's ``src/kvqueue`` at REV is taken with ``git archive``, renamed ``kvqueue_base``
 (its absolute imports rewritten to match) and compiled in place with Cython under
-``~/.cache/kvqueue/baseline/<commit>``, which later runs reuse. Building needs Cython and a
+``<cache root>/baseline/<commit>``, which later runs reuse. Building needs Cython and a
 C compiler in the benchmark's interpreter; use the Cython that built today's twin, or the
 comparison times two Cython releases as well as two versions of kvqueue.
 """
@@ -20,8 +20,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import vllm_source
+
 PACKAGE = "kvqueue_base"
-CACHE = Path.home() / ".cache" / "kvqueue" / "baseline"
 REPOSITORY = Path(__file__).resolve().parent.parent
 SOURCE = "src/kvqueue"
 # Absolute imports of the package itself: ``from kvqueue... import`` and ``import kvqueue``.
@@ -73,7 +74,7 @@ def build(rev: str) -> Path:
     this interpreter; a first build takes about half a minute.
     """
     commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
-    root = CACHE / commit
+    root = vllm_source.sdist().cache_dir() / "baseline" / commit
     extension = root / PACKAGE / f"_queue{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     if extension.is_file():
         return root

@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import machine
+from contenders import PINNED
 from report import summarize
 
-MARKERS = {"vllm-0.33": "s", "pure": "o", "cython": "D", "deque": "^"}
+MARKERS = {PINNED: "s", "pure": "o", "cython": "D", "deque": "^"}
 TICKS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3)
 
 

@@ -10,14 +10,19 @@ import vllm_source
 
 from kvqueue import KVCacheBlock
 
-# vLLM 0.30.0 is the seed's baseline: every ratio is taken against it. 0.33.0 is the first
-# release with the local-variable / singleton optimisation.
-VLLM_VERSIONS = {"vllm-0.30": "0.30.0", "vllm-0.33": "0.33.0"}
-REFERENCE = "vllm-0.30"
+
+def _name(version: str) -> str:
+    return "vllm-" + ".".join(version.split(".")[:2])
+
+
+# vLLM 0.30.0 is the seed's baseline: every ratio is taken against it. Beside it, the release
+# vllm_tests/vllm.env pins (newer ones have a local-variable / single-block fast path).
+REFERENCE, PINNED = _name("0.30.0"), _name(vllm_source.sdist().VLLM_VERSION)
+VLLM_VERSIONS = {REFERENCE: "0.30.0", PINNED: vllm_source.sdist().VLLM_VERSION}
 # With no vLLM (--quick), ratios are taken against the pure twin instead.
 FALLBACK_REFERENCE = "pure"
 DEQUE = "deque"
-ALL = ("vllm-0.30", "vllm-0.33", "pure", "cython", DEQUE)
+ALL = (*VLLM_VERSIONS, "pure", "cython", DEQUE)
 QUICK = ("pure", "cython", DEQUE)
 TWINS = {"pure": "_queue_py", "cython": "_queue"}
 
@@ -47,6 +52,6 @@ def load(name: str, *, download: bool) -> Contender:
     if version is None:
         raise LookupError(f"unknown contender {name!r} (known: {', '.join(ALL)})")
     if not download and not vllm_source.is_cached(version):
-        raise LookupError(f"vllm {version} is not in {vllm_source.cache_dir()} (no download)")
+        raise LookupError(f"vllm {version}'s sources are not cached (no download)")
     queue_class = vllm_source.load_queue_class(version, KVCacheBlock)
-    return Contender(name, queue_class, f"vllm {version} wheel, {vllm_source.QUEUE_FILE}")
+    return Contender(name, queue_class, f"vllm {version} sdist, {vllm_source.QUEUE_FILE}")

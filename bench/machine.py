@@ -1,6 +1,6 @@
 """What a result was measured on: host, interpreter, compiler and the kvqueue under test.
 
-Recorded in every results file so that runs from several hosts can be merged side by side.
+Recorded in every results file, and named under every table and chart.
 """
 
 from __future__ import annotations
@@ -77,9 +77,17 @@ def short(info: dict[str, Any]) -> str:
     """One line naming the host, e.g. for a table caption or a chart title."""
     return (
         f"{info['cpu']} ({info['machine']}, {info['cpus']} CPUs), {info['os']}; "
-        f"{info['python_implementation']} {info['python']}, Cython {info['cython']}, "
+        f"{info['python_implementation']} {info['python']}; {_cython(info)} with "
         f"{info['compiler']}; kvqueue {info['kvqueue']} ({info['kvqueue_implementation']})"
     )
+
+
+def _cython(info: dict[str, Any]) -> str:
+    """Which Cython built the timed compiled twin: the benchmark's venv builds kvqueue without
+    isolation, with its own Cython (make bench), so that one is it; without one, unknown."""
+    if info["cython"] == "not installed":
+        return "compiled twin built by a Cython not in this environment"
+    return f"compiled twin built by Cython {info['cython']}"
 
 
 def _version(dist: str) -> str:
@@ -99,16 +107,3 @@ def _compiler() -> str:
     except OSError:
         return f"{cc} (not found)"
     return out.splitlines()[0].strip() if out else cc
-
-
-def pin(cpu: int | None) -> int | None:
-    """Pin this process to one CPU (the last allowed one unless told), if the OS allows."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    chosen = allowed[-1] if cpu is None else cpu
-    try:
-        os.sched_setaffinity(0, {chosen})
-    except OSError:
-        return None
-    return chosen

@@ -1,13 +1,14 @@
 """Benchmark kvqueue's twins against vLLM's own FreeKVCacheBlockQueue and collections.deque.
 
-    python bench/run.py            # the full comparison (downloads two vllm wheels once)
-    python bench/run.py --quick    # pure / cython / deque only, no download, under a minute
-    python bench/run.py --merge a.json b.json   # several hosts side by side
-    python bench/run.py --baseline 0895b1b      # also both twins as built from that commit
+    python bench/run.py                     # the full comparison (two vLLM sdists, once)
+    python bench/run.py --quick             # pure / cython / deque only, no download, < 1 min
+    python bench/run.py --baseline bd0fe74  # also both twins as built from that commit
+    python bench/run.py --summarize a.json  # re-tabulate a results file
 
-Every case runs in ``--processes`` fresh processes (``worker.py``), in a new random case
-order per round; the Markdown table goes to stdout, the raw samples to a JSON file and the
-ratio chart to a PNG beside it (with matplotlib). It times whatever ``kvqueue`` imports.
+Every case runs in ``--processes`` fresh processes (``worker.py``, through ``launch.py``), in
+a new random case order per round; the Markdown table goes to stdout, the raw samples to a
+JSON file and the ratio chart to a PNG beside it (with matplotlib). It times whatever
+``kvqueue`` imports.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,9 +26,9 @@ import baseline
 import cases
 import chart
 import contenders
+import launch
 import machine
 import report
-import validate
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of orders and shuffles")
     parser.add_argument("--no-download", action="store_true", help="skip vLLM not cached")
     parser.add_argument("--out", type=Path, help="results JSON (default: bench/results/...)")
-    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="tabulate these")
+    parser.add_argument("--summarize", type=Path, metavar="JSON", help="re-tabulate a results file")
     parser.add_argument("--baseline", metavar="REV", help="also time the twins at git REV")
     args = parser.parse_args(argv)
     defaults = (3, 5, 2.0) if args.quick else (11, 9, 20.0)
@@ -85,42 +85,13 @@ def load_contenders(names: list[str], download: bool) -> tuple[list[str], dict[s
     usable, skipped = [], {}
     for name in names:
         try:
-            contender = contenders.load(name, download=download)
-            if contender.queue_class is not None:
-                validate.check(contender.queue_class)
-        except (LookupError, validate.WrongQueue) as exc:
+            contenders.load(name, download=download)
+        except LookupError as exc:
             skipped[name] = str(exc)
             print(f"skipping {name}: {exc}", file=sys.stderr)
             continue
         usable.append(name)
     return usable, skipped
-
-
-def run_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    records = []
-    started = time.monotonic()
-    tty = sys.stderr.isatty()
-    for done, job in enumerate(jobs, 1):
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "worker.py"), json.dumps(job)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode:
-            sys.stderr.write(proc.stderr)
-            raise SystemExit(f"worker failed on {job['case']} (round {job['round']})")
-        records.append(json.loads(proc.stdout))
-        elapsed = time.monotonic() - started
-        eta = elapsed / done * (len(jobs) - done)
-        line = (
-            f"[{done:>4}/{len(jobs)}] round {job['round'] + 1} {job['case']:<40} "
-            f"{elapsed:5.0f}s elapsed, ~{eta:4.0f}s left"
-        )
-        print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-    if tty:
-        print(file=sys.stderr)
-    return records
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,7 +122,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     # Described first: the checkout may move on during a long run.
     described = machine.describe()
     started = time.time()
-    records = run_jobs(jobs)
+    records = launch.run(
+        [sys.executable, str(HERE / "worker.py")],
+        jobs,
+        lambda job: f"round {job['round'] + 1} {job['case']}",
+    )
     return {
         "machine": described,
         "settings": {
@@ -203,12 +178,8 @@ def publish(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.merge:
-        loaded = [json.loads(path.read_text(encoding="utf-8")) for path in args.merge]
-        if len(loaded) == 1:
-            publish(loaded[0], args.merge[0])
-        else:
-            print(report.merged_table(loaded))
+    if args.summarize:
+        publish(json.loads(args.summarize.read_text(encoding="utf-8")), args.summarize)
         return
     results = bench(args)
     publish(results, save(results, args.out))

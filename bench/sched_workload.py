@@ -6,10 +6,6 @@ one of a few shared system prompts, picked with Zipf weights; else nothing; then
 unique tail) and the output tokens the fake model will "sample" for it, one per decode step.
 Outputs are fixed so that a follow-up's prompt really is an earlier request's prompt plus
 its output, and can hit the prefix cache the earlier request filled.
-
-The two shapes follow bench/engine_trace.py's traces (the block-pool trace), so that the two
-benchmarks can be read side by side; the step counts are shorter because a real scheduler
-step costs more.
 """
 
 from __future__ import annotations

@@ -1,32 +1,31 @@
-"""Engine-level benchmark on vLLM's real scheduler: vLLM 0.33.0's own queue vs kvqueue's twins.
+"""Engine-level benchmark on vLLM's real scheduler: vLLM's own queue, kvqueue's twins, the guard.
 
-    make bench-scheduler                        # the vLLM venv, full run (about 20 minutes)
-    python bench/scheduler.py --quick           # 3 processes, shorter workloads
+    make bench-scheduler                        # the vLLM venv, full run (about 30 minutes)
+    python bench/scheduler.py --quick           # 3 processes, half the steps
+    python bench/scheduler.py --check           # no timing: every contender schedules alike
     python bench/scheduler.py --summarize bench/results/scheduler-....json
 
-Runs in a venv holding vLLM 0.33.0 and kvqueue (vllm_tests/venv.sh makes it). vLLM's own
-``Scheduler`` (bench/sched_engine.py: its real KVCacheManager and BlockPool, on the CPU,
-a fake model) serves the seeded workloads of bench/sched_workload.py (decode-heavy,
-prefix-heavy). Contenders: ``vllm`` (vLLM's own FreeKVCacheBlockQueue), ``cython`` and
-``python`` (``kvqueue.vllm.install("cython" / "python")`` before the scheduler is built).
+Runs in the venv of vllm_tests/venv.sh (vLLM as vllm_tests/vllm.env pins it, and kvqueue).
+vLLM's own ``Scheduler`` (bench/sched_engine.py: its real KVCacheManager and BlockPool, on the
+CPU, a fake model) serves the seeded workloads of bench/sched_workload.py. Contenders: ``vllm``
+(vLLM alone), ``cython`` and ``python`` (``kvqueue.vllm.install(twin, pool_guard=False)``),
+``cython+guard`` and ``python+guard`` (the pool guard on). A kvqueue whose ``install()`` has
+no ``pool_guard`` parameter runs without the guard contenders, and says so.
 
-Per fresh process (pinned to one CPU, workloads in random order) and per workload:
+Per fresh process (bench/launch.py) and per workload: one untimed run per contender, then
+``--reps`` runs each, the contenders in a new random order every time, the collector off.
+*Step time* is the thread CPU time inside ``schedule()`` + ``update_from_output()`` over the
+steps after the warm-up. Every run must schedule exactly what vLLM alone did (a fingerprint of
+every step's requests, tokens and block ids) and leave the same pool (the free list in order,
+every block's reference count and hash), or the process fails. Ratios are taken within a
+process (against ``vllm``; the guard's against the same twin with the guard off), then the
+median over processes with a bootstrap 95% interval (bench/stats.py). The queue's own time is
+the microbenchmark's (bench/run.py); here one run on vLLM's queue counts its calls per step.
+Results: bench/results/scheduler-*.json and a Markdown table on stdout.
 
-* step time: the thread CPU time inside ``schedule()`` + ``update_from_output()`` over the
-  timed steps (after a warm-up that fills the cache), one untimed run per contender first,
-  then ``--reps`` runs with the contenders in a new random order each time, the collector
-  off while timing. Every run must schedule exactly the same requests, tokens and block ids
-  as the first (a fingerprint per run), or the process fails;
-* queue time: the queue calls of one run (recorded on vLLM's queue) replayed alone on a
-  fresh queue of each contender, minus the same loop making no call (bench/engine_trace.py's
-  recorder and replay);
-* shares: ``--reps`` more runs per contender under a CPU-clock sampling profiler
-  (bench/sched_probe.py): the part of the step in vLLM's KV-cache manager, in the block
-  pool and (for queues written in Python) in the queue.
-
-Ratios are taken within a process against ``vllm``, then the median over processes with a
-percentile-bootstrap 95% interval (bench/stats.py). Results: bench/results/scheduler-*.json
-and a Markdown table on stdout.
+``--check`` (CI) runs each contender once on short workloads over a small pool (it fills and
+evicts), and fails on any such difference, or when the workloads miss a queue call the pool
+makes or the prefix cache's eviction.
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import inspect
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,13 +45,21 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-CONTENDERS = ("vllm", "cython", "python")
+CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
 REFERENCE = "vllm"
 CLOCK = time.thread_time
-SAMPLE_INTERVAL_S = 0.001
 
 
-# -- one fresh process -------------------------------------------------------------------
+# -- the contenders ------------------------------------------------------------------------
+
+
+def guard_missing() -> str | None:
+    """Why the guard contenders cannot run here, or None."""
+    import kvqueue.vllm
+
+    if "pool_guard" in inspect.signature(kvqueue.vllm.install).parameters:
+        return None
+    return "kvqueue.vllm.install() has no pool_guard parameter: this kvqueue has no pool guard"
 
 
 def use(name: str) -> type:
@@ -61,17 +68,70 @@ def use(name: str) -> type:
 
     import kvqueue.vllm
 
+    kvqueue.vllm.uninstall()
     if name == REFERENCE:
-        kvqueue.vllm.uninstall()
         queue_class: type = block_pool.FreeKVCacheBlockQueue
         return queue_class
-    return kvqueue.vllm.install(name)  # type: ignore[arg-type]
+    twin, _, guard = name.partition("+")
+    if guard_missing():
+        return kvqueue.vllm.install(twin)  # type: ignore[arg-type]
+    queue_class = kvqueue.vllm.install(twin, pool_guard=bool(guard))  # type: ignore[arg-type, call-arg]
+    status = kvqueue.vllm.status()  # type: ignore[attr-defined]
+    assert status["pool_guard"] is bool(guard), (name, status)
+    return queue_class
 
 
-def shrink(w: Any, quick: bool) -> Any:
-    if not quick:
-        return w
-    return dataclasses.replace(w, steps=w.steps // 2, warmup_steps=w.warmup_steps // 2)
+# -- the queue calls of one run, counted ---------------------------------------------------
+
+
+class QueueCounter:
+    """Stands for a queue class: builds ``queue_class`` queues that count their calls."""
+
+    def __init__(self, queue_class: type) -> None:
+        self.queue_class = queue_class
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, blocks: list[Any]) -> Any:
+        return _CountingQueue(self.queue_class(blocks), self.calls)
+
+
+class _CountingQueue:
+    def __init__(self, queue: Any, calls: dict[str, int]) -> None:
+        self._q = queue
+        self._calls = calls
+
+    def _count(self, op: str, n: int = 1) -> None:
+        self._calls[op] = self._calls.get(op, 0) + n
+
+    @property
+    def num_free_blocks(self) -> int:
+        self._count("num_free_blocks")
+        return int(self._q.num_free_blocks)
+
+    def popleft_n(self, n: int) -> Any:
+        self._count("popleft_n")
+        self._count("popleft_n>1", n > 1)
+        self._count("blocks_allocated", n)
+        return self._q.popleft_n(n)
+
+    def __getattr__(self, op: str) -> Any:
+        """Every other method, counted by name."""
+        method = getattr(self._q, op)
+        if not callable(method):
+            return method
+
+        def counted(*args: Any) -> Any:
+            self._count(op)
+            return method(*args)
+
+        return counted
+
+
+# -- one fresh process ---------------------------------------------------------------------
+
+
+def shrink(w: Any, factor: int) -> Any:
+    return dataclasses.replace(w, steps=w.steps // factor, warmup_steps=w.warmup_steps // factor)
 
 
 def timed_run(driver: Any, w: Any) -> float:
@@ -84,27 +144,38 @@ def timed_run(driver: Any, w: Any) -> float:
         gc.enable()
 
 
-def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: int) -> float:
-    """One timed run on contender ``name``'s queue; it must schedule what vLLM's queue did."""
+def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: Any) -> float:
+    """One timed run on contender ``name``; it must schedule what vLLM alone did and leave the
+    same pool (``reference``: ``record_queue_calls()``'s), or the process fails."""
     import sched_engine
 
     queue_class = use(name)
     driver = sched_engine.Driver(factory, specs)
     assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is queue_class, name
     elapsed = timed_run(driver, w)
-    if driver.fingerprint != reference:
-        raise SystemExit(f"{name}: the schedule differs from the one on vLLM's own queue")
+    if driver.fingerprint != reference["fingerprint"]:
+        raise SystemExit(f"{name}: the schedule differs from vLLM's alone")
+    if pool_state(driver) != reference["pool"]:
+        raise SystemExit(f"{name}: the pool after the run differs from vLLM's alone")
     return elapsed
 
 
+def pool_state(driver: Any) -> tuple[Any, ...]:
+    """The free list in order, and every block's id, reference count and hash."""
+    import sched_engine
+
+    pool = sched_engine.block_pool(driver.scheduler)
+    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return free, [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks]
+
+
 def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]:
-    """One run on vLLM's queue with its calls logged; evictions counted on the side."""
-    import engine_trace
+    """One run on vLLM's queue with its calls counted (after the warm-up), and evictions."""
     import sched_engine
     from vllm.v1.core import block_pool
 
     original = use(REFERENCE)
-    log = engine_trace.QueueLog(original)
+    log = QueueCounter(original)
     evict = block_pool.BlockPool._maybe_evict_cached_block
     evicted = [0]
 
@@ -118,107 +189,43 @@ def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]
     try:
         driver = sched_engine.Driver(factory, specs)
         driver.run(w.warmup_steps, CLOCK)
-        mark, evicted_warmup = len(log.ops), evicted[0]
-        before = dict(driver.counters)
+        evicted_warmup, before = evicted[0], dict(driver.counters)
+        log.calls.clear()
         driver.run(w.steps - w.warmup_steps, CLOCK)
     finally:
         block_pool.FreeKVCacheBlockQueue = original  # type: ignore[attr-defined]
         block_pool.BlockPool._maybe_evict_cached_block = evict  # type: ignore[method-assign]
     counters = {k: v - before[k] for k, v in driver.counters.items()}
     counters["evicted_blocks"] = evicted[0] - evicted_warmup
-    calls: dict[str, int] = {}
-    for op, arg in log.ops[mark:]:
-        calls[op] = calls.get(op, 0) + 1
-        if op == "popleft_n":
-            calls["blocks_allocated"] = calls.get("blocks_allocated", 0) + arg
-    return {
-        "log": log,
-        "mark": mark,
-        "counters": counters,
-        "queue_calls": calls,
-        "fingerprint": driver.fingerprint,
-    }
-
-
-def sampled_shares(driver: Any, w: Any, queue_classes: list[type]) -> dict[str, int]:
-    import sched_probe
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    step_codes = {Scheduler.schedule.__code__, Scheduler.update_from_output.__code__}
-    sampler = sched_probe.Sampler(
-        SAMPLE_INTERVAL_S, step_codes, sched_probe.method_codes(*queue_classes)
-    )
-    driver.run(w.warmup_steps, CLOCK)
-    gc.collect()
-    gc.disable()
-    try:
-        with sampler:
-            driver.run(w.steps - w.warmup_steps, CLOCK)
-    finally:
-        gc.enable()
-    return sampler.counts
+    return {"counters": counters, "queue_calls": log.calls, "fingerprint": driver.fingerprint,
+            "pool": pool_state(driver)}  # fmt: skip
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
-    from machine import pin
+    from launch import pin
 
     cpu = pin(job.get("cpu"))
-    import engine_trace
     import sched_engine
     import sched_workload
-    from vllm.v1.core import kv_cache_utils
-
-    import kvqueue._queue_py
 
     rng = random.Random(job["seed"])
     model = sched_engine.model_dir()
-    python_queues = [kv_cache_utils.FreeKVCacheBlockQueue, kvqueue._queue_py.FreeKVCacheBlockQueue]
     result: dict[str, Any] = {"cpu": cpu, "pid": os.getpid(), "workloads": {}}
     names = list(job["workloads"])
     rng.shuffle(names)
+    contenders = list(job["contenders"])
     for wname in names:
-        w = shrink(sched_workload.WORKLOADS[wname], job["quick"])
+        w = shrink(sched_workload.WORKLOADS[wname], 2 if job["quick"] else 1)
         specs = sched_workload.make_workload(w)
         factory = sched_engine.SchedulerFactory(w, model)
         recorded = record_queue_calls(factory, specs, w)
-        reference = recorded["fingerprint"]
-        queues = {name: use(name) for name in CONTENDERS}
-        contenders = list(CONTENDERS)
-
         for name in contenders:  # untimed: every contender's code and data warm
-            run_contender(name, factory, specs, w, reference)
-        steps: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+            run_contender(name, factory, specs, w, recorded)
+        steps: dict[str, list[float]] = {n: [] for n in contenders}
         for _ in range(job["reps"]):
             rng.shuffle(contenders)
             for name in contenders:
-                steps[name].append(run_contender(name, factory, specs, w, reference))
-        queue: dict[str, list[float]] = {n: [] for n in CONTENDERS}
-        for _ in range(job["reps"]):
-            rng.shuffle(contenders)
-            for name in contenders:
-                gc.collect()
-                gc.disable()
-                try:
-                    calls, baseline = engine_trace.replay_queue_ops(
-                        recorded["log"],
-                        queues[name],
-                        kv_cache_utils.KVCacheBlock,
-                        CLOCK,
-                        recorded["mark"],
-                    )
-                finally:
-                    gc.enable()
-                queue[name].append(calls - baseline)
-        samples: dict[str, dict[str, int]] = {}
-        for _ in range(job["reps"]):
-            rng.shuffle(contenders)
-            for name in contenders:
-                use(name)
-                driver = sched_engine.Driver(factory, specs)
-                counts = sampled_shares(driver, w, python_queues)
-                total = samples.setdefault(name, dict.fromkeys(counts, 0))
-                for key, value in counts.items():
-                    total[key] += value
+                steps[name].append(run_contender(name, factory, specs, w, recorded))
         use(REFERENCE)
         result["workloads"][wname] = {
             "params": dataclasses.asdict(w),
@@ -227,44 +234,63 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "counters": recorded["counters"],
             "queue_calls": recorded["queue_calls"],
             "step_s": steps,
-            "queue_s": queue,
-            "samples": samples,
         }
     return result
 
 
-# -- the parent: processes, summary ---------------------------------------------------------
+# -- the equivalence check (CI) ------------------------------------------------------------
+
+
+def check(workloads: list[str], contenders: list[str]) -> int:
+    import sched_engine
+    import sched_workload
+
+    model = sched_engine.model_dir()
+    failures = []
+    for wname in workloads:
+        # A quarter of the steps, no warm-up, an eighth of the pool: it fills, and evicts.
+        w = sched_workload.WORKLOADS[wname]
+        w = dataclasses.replace(w, steps=w.steps // 4, warmup_steps=0, num_blocks=w.num_blocks // 8)
+        specs = sched_workload.make_workload(w)
+        factory = sched_engine.SchedulerFactory(w, model)
+        recorded = record_queue_calls(factory, specs, w)
+        calls, counters = recorded["queue_calls"], recorded["counters"]
+        needed = ["popleft_n", "popleft_n>1", "append_n", "prepend_n", "num_free_blocks"]
+        needed += ["remove"] if wname == "prefix-heavy" else []
+        missing = [op for op in needed if not calls.get(op)]
+        missing += [k for k in ("evicted_blocks", "finished") if not counters[k]]
+        if missing:
+            failures.append(f"{wname}: the workload never reaches {missing}")
+        reached = ", ".join(f"{k} {v}" for k, v in sorted({**calls, **counters}.items()))
+        print(f"scheduler --check: {wname}, {w.steps} steps: {reached}", flush=True)
+        for name in contenders:
+            try:
+                run_contender(name, factory, specs, w, recorded)
+            except SystemExit as exc:
+                failures.append(f"{wname}: {exc}")
+                continue
+            print(f"scheduler --check: {wname} {name}: same schedule, same pool", flush=True)
+    use(REFERENCE)
+    for failure in failures:
+        print(f"scheduler --check: FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+# -- the parent: processes, summary --------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import launch
     import machine
 
     rng = random.Random(args.seed)
-    records = []
-    started = time.monotonic()
-    for round_ in range(args.processes):
-        job = {
-            "workloads": args.workloads,
-            "seed": rng.randrange(2**32),
-            "reps": args.reps,
-            "quick": args.quick,
-            "cpu": args.cpu,
-        }
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode:
-            sys.stderr.write(proc.stderr[-5000:])
-            raise SystemExit(f"scheduler worker failed (round {round_})")
-        records.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(
-            f"[{round_ + 1}/{args.processes}] {time.monotonic() - started:5.0f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+    jobs = [
+        {"round": round_, "workloads": args.workloads, "contenders": args.contenders,
+         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu}
+        for round_ in range(args.processes)
+    ]  # fmt: skip
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    records = launch.run(command, jobs, lambda job: f"round {job['round'] + 1}")
     return {
         "machine": machine.describe(),
         "vllm": _vllm_version(),
@@ -273,7 +299,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "reps": args.reps,
             "quick": args.quick,
             "seed": args.seed,
-            "sample_interval_s": SAMPLE_INTERVAL_S,
+            "contenders": args.contenders,
+            "skipped": args.skipped,
         },
         "loadavg": os.getloadavg(),
         "kvqueue_sources": _kvqueue_stamp(),
@@ -304,31 +331,29 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     from stats import bootstrap_median
 
     records = data["records"]
+    names = data["settings"]["contenders"]
     summary: dict[str, Any] = {}
     for wname in records[0]["workloads"]:
         per = [r["workloads"][wname] for r in records]
         steps = per[0]["timed_steps"]
+        step = [{n: median(p["step_s"][n]) for n in names} for p in per]  # per process
         rows: dict[str, Any] = {}
-        for name in CONTENDERS:
-            step_med = [median(p["step_s"][name]) for p in per]
-            queue_med = [median(p["queue_s"][name]) for p in per]
-            ratio = [median(p["step_s"][name]) / median(p["step_s"][REFERENCE]) for p in per]
-            qratio = [median(p["queue_s"][name]) / median(p["queue_s"][REFERENCE]) for p in per]
-            qshare = [median(p["queue_s"][name]) / median(p["step_s"][name]) for p in per]
-            # Sampled shares: ticks pooled over all runs of all processes.
-            ticks = {k: sum(p["samples"][name][k] for p in per) for k in per[0]["samples"][name]}
+        for name in names:
             rows[name] = {
-                "us_per_step": median(step_med) / steps * 1e6,
-                "step_ratio": bootstrap_median(ratio),
-                "queue_us_per_step": median(queue_med) / steps * 1e6,
-                "queue_ratio": bootstrap_median(qratio),
-                "queue_share": bootstrap_median(qshare),
-                "sampled": ticks,
-                "kv_manager_share": ticks["kv_manager"] / ticks["step"],
-                "pool_share": ticks["pool"] / ticks["step"],
-                "sampled_queue_share": ticks["queue"] / ticks["step"],
-                "process_spread": max(step_med) / min(step_med),
+                "us_per_step": median(m[name] for m in step) / steps * 1e6,
+                "step_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in step]),
+                "process_spread": max(m[name] for m in step) / min(m[name] for m in step),
             }
+        guard = {}
+        for name in names:
+            twin, _, on = name.partition("+")
+            if on and twin in names:
+                guard[twin] = {
+                    "ratio": bootstrap_median([m[name] / m[twin] for m in step]),
+                    "us_per_step": bootstrap_median(
+                        [(m[name] - m[twin]) / steps * 1e6 for m in step]
+                    ),
+                }
         summary[wname] = {
             "params": per[0]["params"],
             "timed_steps": steps,
@@ -336,8 +361,12 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "counters": per[0]["counters"],
             "queue_calls": per[0]["queue_calls"],
             "rows": rows,
+            "guard": guard,
         }
     return summary
+
+
+_DERIVED = ("blocks_allocated", "popleft_n>1")
 
 
 def _fmt(est: list[float] | tuple[float, float, float], digits: int = 3) -> str:
@@ -349,32 +378,39 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
 
     s = data["settings"]
     lines = [
-        f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per queue: median of "
+        f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per contender: median of "
         f"{s['processes']} fresh processes x {s['reps']} runs, [bootstrap 95% interval]. "
-        "*step*: thread CPU time of `schedule()` + `update_from_output()`; *queue*: the run's "
-        "queue calls replayed alone; *KV mgr / pool / queue (sampled)*: share of step CPU "
-        "ticks with vLLM's KV-cache manager / `BlockPool` / a Python-level queue method on "
-        "the stack (`-`: compiled, invisible to the sampler).",
+        "Step: thread CPU time of `schedule()` + `update_from_output()`.",
         "",
-        "| workload | queue | µs/step | step vs vllm | queue µs/step | queue share "
-        "| queue vs vllm | KV mgr (sampled) | pool (sampled) | queue (sampled) |",
-        "|---|---|---:|---|---:|---:|---|---:|---:|---:|",
+        "| workload | contender | µs/step | step vs vllm | spread over processes |",
+        "|---|---|---:|---|---:|",
     ]
     for wname, t in summary.items():
         for name, row in t["rows"].items():
-            sampled_queue = "-" if name == "cython" else f"{row['sampled_queue_share'] * 100:.1f}%"
             lines.append(
                 f"| {wname} | {name} | {row['us_per_step']:.0f} | {_fmt(row['step_ratio'])} | "
-                f"{row['queue_us_per_step']:.2f} | {row['queue_share'][0] * 100:.2f}% | "
-                f"{_fmt(row['queue_ratio'])} | {row['kv_manager_share'] * 100:.1f}% | "
-                f"{row['pool_share'] * 100:.1f}% | {sampled_queue} |"
+                f"{row['process_spread']:.3f} |"
             )
+    if any(t["guard"] for t in summary.values()):
+        lines += [
+            "",
+            "The pool guard: each twin with the guard on against the same twin with it off, "
+            "in the same processes.",
+            "",
+            "| workload | twin | step, guard on / off | guard µs/step |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 2)} |"
+            for wname, t in summary.items()
+            for twin, g in t["guard"].items()
+        ]
+    if s["skipped"]:
+        lines += ["", f"Not run: {s['skipped']}."]
     lines += ["", "Workloads (per timed step, from the recorded run on vLLM's queue):"]
     for wname, t in summary.items():
-        n = t["timed_steps"]
-        c = t["counters"]
-        q = t["queue_calls"]
-        ticks = t["rows"][REFERENCE]["sampled"]["step"]
+        n, c, q = t["timed_steps"], t["counters"], t["queue_calls"]
+        calls = [f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op not in _DERIVED]
         lines.append(
             f"- {wname}: {t['requests']} requests, {n} timed steps after "
             f"{t['params']['warmup_steps']}; per step {c['scheduled_tokens'] / n:.0f} tokens "
@@ -382,10 +418,8 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
             f"finished, {c['preempted'] / n:.3f} preempted; "
             f"{q.get('blocks_allocated', 0) / n:.1f} blocks allocated "
             f"({c['evicted_blocks'] / n:.1f} evicted from the prefix cache); queue calls "
-            + ", ".join(
-                f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op != "blocks_allocated"
-            )
-            + f"; {ticks} sampled ticks in steps (vllm)."
+            + ", ".join(calls)
+            + "."
         )
     lines += [
         "",
@@ -395,14 +429,16 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     import sched_workload
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="3 processes, half the steps")
+    parser.add_argument("--check", action="store_true", help="equivalence only, no timing")
     parser.add_argument("--processes", type=int, help="fresh processes (7; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
     parser.add_argument(
         "--workloads", default=",".join(sched_workload.WORKLOADS), help="comma-separated"
     )
@@ -413,12 +449,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
-        return
-    args.workloads = args.workloads.split(",")
+        return 0
     if args.summarize:
         data = json.loads(args.summarize.read_text())
         print(markdown(data, summarize(data)))
-        return
+        return 0
+    args.workloads = args.workloads.split(",")
+    args.contenders = [REFERENCE] + [c for c in args.contenders.split(",") if c != REFERENCE]
+    unknown = set(args.contenders) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"unknown contenders {sorted(unknown)} (known: {', '.join(CONTENDERS)})")
+    args.skipped = ""
+    why = guard_missing()
+    if why and any("+" in c for c in args.contenders):
+        args.skipped = ", ".join(c for c in args.contenders if "+" in c) + f" ({why})"
+        args.contenders = [c for c in args.contenders if "+" not in c]
+        print(f"scheduler: skipping {args.skipped}", file=sys.stderr)
+    if args.check:
+        return check(args.workloads, args.contenders)
     args.processes = args.processes or (3 if args.quick else 7)
     args.reps = args.reps or (3 if args.quick else 5)
     data = run(args)
@@ -428,7 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(data, indent=1))
     print(markdown(data, data["summary"]))
     print(f"\n(raw results: {out})", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

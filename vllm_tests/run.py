@@ -1,4 +1,6 @@
-"""vLLM 0.33.0's own tests, three ways: vLLM's queue, kvqueue's compiled twin, its pure twin.
+"""vLLM's own tests, three ways: vLLM's queue, kvqueue's compiled twin, its pure twin.
+
+vLLM is the release vllm_tests/vllm.env pins.
 
 Run with the python of vllm_tests/venv.sh (``make vllm-tests``). vLLM's test files come from
 its sdist (sdist.py), model ids resolve to configuration files only (hub.py), and pytest runs
@@ -25,7 +27,7 @@ from pathlib import Path
 import hub
 import sdist
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = sdist.VLLM_VERSION
 HERE = Path(__file__).resolve().parent
 QUICK = (
     "tests/v1/core/test_prefix_caching.py",

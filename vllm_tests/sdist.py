@@ -1,15 +1,16 @@
 """vLLM's own test files for one release, from its sdist on the package index; print their root.
 
-``python vllm_tests/sdist.py 0.33.0`` prints a directory holding the sdist's ``tests/``,
-``examples/`` (scripts some tests load) and ``pyproject.toml`` (vLLM's pytest configuration) and
-nothing else of it: with ``vllm/`` left out, ``import vllm`` in the tests finds the installed
-wheel, not the sdist's source tree.
+``python vllm_tests/sdist.py [VERSION]`` (default: ``VLLM_VERSION`` of vllm.env) prints a
+directory holding the sdist's ``tests/``, ``examples/`` (scripts some tests load) and
+``pyproject.toml`` (vLLM's pytest configuration) and nothing else of it: with ``vllm/`` left
+out, ``import vllm`` in the tests finds the installed wheel, not the sdist's source tree.
 
 The file is found through pip's configured index (``index-url`` from pip's own configuration,
 environment included; pip's default otherwise) with the simple repository API (PEP 691 JSON),
-checked against the sha256 the index gives, and kept under ``~/.cache/kvqueue/`` (or
-``$KVQUEUE_CACHE``). ``pip download --no-binary`` is not used: it builds vLLM's metadata, which
-needs its build requirements and may name the result ``0.33.0+empty``.
+checked against the sha256 the index gives, and kept under the cache root (``cache_dir()``:
+``$KVQUEUE_CI_CACHE``, default ``$XDG_CACHE_HOME/kvqueue`` or ``~/.cache/kvqueue``).
+``pip download --no-binary`` is not used: it builds vLLM's metadata, which needs its build
+requirements and may name the result ``X.Y.Z+empty``.
 
 Raises ``LookupError`` when the index lists no sdist of that version, ``ValueError`` on a hash
 mismatch, ``urllib.error.URLError`` when the index cannot be reached.
@@ -29,13 +30,28 @@ import urllib.request
 from pathlib import Path
 
 PROJECT = "vllm"
+PINS = Path(__file__).resolve().parent / "vllm.env"
 KEPT = ("tests/", "examples/", "pyproject.toml")
 _COMPLETE = ".complete"
 
 
+def pins() -> dict[str, str]:
+    """vllm.env's ``NAME=value`` lines (``VLLM_VERSION``, ``TORCH_VERSION``)."""
+    lines = PINS.read_text(encoding="utf-8").splitlines()
+    pairs = (line.partition("=") for line in lines if line.strip() and not line.startswith("#"))
+    return {name.strip(): value.strip() for name, _, value in pairs}
+
+
+VLLM_VERSION = pins()["VLLM_VERSION"]
+
+
 def cache_dir() -> Path:
-    explicit = os.environ.get("KVQUEUE_CACHE")
-    return Path(explicit) if explicit else Path.home() / ".cache" / "kvqueue"
+    """The one cache root of kvqueue's checks and benchmarks (.ci/common.sh says the same)."""
+    explicit = os.environ.get("KVQUEUE_CI_CACHE")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvqueue"
 
 
 def index_url() -> str:
@@ -125,4 +141,4 @@ def tests_root(version: str) -> Path:
 
 
 if __name__ == "__main__":
-    print(tests_root(sys.argv[1] if len(sys.argv) > 1 else "0.33.0"))
+    print(tests_root(sys.argv[1] if len(sys.argv) > 1 else VLLM_VERSION))

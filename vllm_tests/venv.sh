@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# vllm_tests/venv.sh: print the path of a venv holding vLLM 0.33.0 on the CPU, with this
-# checkout's kvqueue installed into it.
+# vllm_tests/venv.sh: print the path of a venv holding the vLLM release vllm.env pins, on the
+# CPU, with this checkout's kvqueue installed into it.
 #
-# The venv is made once and kept (~/.cache/kvqueue/vllm-0.33.0-venv, marker .ready): CPU torch
-# 2.13.0 instead of the CUDA torch 2.14.0 that vLLM pins, vLLM itself with --no-deps, then
-# vLLM's other requirements less the torch family and the CUDA-only packages
-# (vllm_tests/requirements.py), then pytest. kvqueue is reinstalled from this checkout only
-# when its sources changed since the last install (a hash kept in the venv).
+# The venv is made once and kept ($KVQUEUE_CI_VLLM_VENV, default
+# <cache root>/vllm-<version>-venv, marker .ready), with ${PYTHON311:-python3.11}: the CPU build
+# of torch (TORCH_VERSION in vllm.env) instead of the CUDA torch that vLLM pins, vLLM itself with
+# --no-deps, from its wheel downloaded once into <cache root>/wheels, then vLLM's other
+# requirements less the torch family and the CUDA-only packages (vllm_tests/requirements.py),
+# then pytest. kvqueue is reinstalled from this checkout only when its sources changed since
+# the last install (a hash kept in the venv). The cache root is .ci/common.sh's.
 # Progress goes to stderr; stdout is the path alone.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-VLLM_VERSION=0.33.0
-TORCH_VERSION=2.13.0
-cache=${KVQUEUE_CACHE:-$HOME/.cache/kvqueue}
-venv=${KVQUEUE_VLLM_VENV:-$cache/vllm-$VLLM_VERSION-venv}
+. "$root/.ci/common.sh"   # CACHE, VLLM_VERSION, TORCH_VERSION
+cache=$CACHE
+venv=${KVQUEUE_CI_VLLM_VENV:-$cache/vllm-$VLLM_VERSION-venv}
 python=${PYTHON311:-python3.11}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
@@ -26,7 +27,7 @@ log() { printf 'vllm_tests/venv.sh: %s\n' "$*" >&2; }
 
 # The marker holds a hash of this recipe. A missing venv is built whole; a venv made by an
 # older recipe gets the packages added since (a venv in use is never deleted).
-recipe=$(cat "$0" "$here/requirements.py" | sha256sum | cut -d' ' -f1)
+recipe=$(cat "$0" "$here/requirements.py" "$here/vllm.env" | sha256sum | cut -d' ' -f1)
 pip=("$venv/bin/python" -m pip install -q)
 if [[ ! -f $venv/.ready ]]; then
     log "building $venv (once)"
@@ -34,9 +35,13 @@ if [[ ! -f $venv/.ready ]]; then
     rm -rf "$venv"
     "$python" -m venv "$venv"
     "${pip[@]}" --upgrade pip
-    # A vLLM wheel put in $cache/wheels is used instead of a download.
+    # vLLM's wheel (about 340 MB) is downloaded once into $cache/wheels and installed from there.
+    if ! compgen -G "$cache/wheels/vllm-$VLLM_VERSION-*.whl" >/dev/null; then
+        "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: \
+            -d "$cache/wheels" "vllm==$VLLM_VERSION"
+    fi
     "${pip[@]}" --find-links "$cache/wheels" "torch==$TORCH_VERSION" packaging
-    "${pip[@]}" --no-deps --find-links "$cache/wheels" "vllm==$VLLM_VERSION"
+    "${pip[@]}" --no-deps --no-index --find-links "$cache/wheels" "vllm==$VLLM_VERSION"
     built=1
 fi
 if [[ $(cat "$venv/.ready" 2>/dev/null) != "$recipe" ]]; then

@@ -8,7 +8,7 @@
 # Everything lands in build/freethreading/; nothing is installed system-wide
 # (apt runs with a private state directory). Takes ~8 min on 2 cores.
 #
-# Usage: tools/freethreading.sh [OPS per thread, default 200000]
+# Usage: .ci/freethreading.sh [OPS per thread, default 200000]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ops="${1:-200000}"

@@ -8,19 +8,20 @@
 #   2. valgrind memcheck on the normal build: the fuzz programs, the hostile
 #      cases and the invalid-operation tests under both misuse policies
 #      (--full: the whole suite).
-# Findings (tools/memcheck_report.py): any invalid read/write/free, any leak
+# Findings (.ci/memcheck_report.py): any invalid read/write/free, any leak
 # whose allocation stack passes through kvqueue. Logs stay in build/memcheck/.
 #
-# Usage: tools/memcheck.sh [--full]    (default: the short run CI does, ~3 min)
+# Usage: make memcheck [MEMCHECK_ARGS=--full]   (default: the short run CI does, ~3 min)
+#        VENV=DIR bash .ci/memcheck.sh [--full]   (default VENV: .venv-memcheck)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 full=0
 [[ "${1:-}" == "--full" ]] && full=1
-VENV="${VENV:-.venv}"
+VENV="${VENV:-.venv-memcheck}"
 PY="$VENV/bin/python"
 out="$PWD/build/memcheck"  # absolute paths: some steps run from tests/
-supp="$PWD/tools/valgrind.supp"
+supp="$PWD/.ci/valgrind.supp"
 logs="$out/logs"
 
 install() {  # Debian packages (CI runs as root)
@@ -37,7 +38,7 @@ fi
 
 make -s "$VENV/.ready" PYTHON="${PYTHON:-python3}" VENV="$VENV"
 # setup.py runs here outside pip's isolated build: give it the build requirements.
-"$PY" -m pip install -q "setuptools>=77" "Cython>=3.1"
+"$PY" -m pip install -q $("$PY" .ci/build_requires.py)
 rm -rf "$out" && mkdir -p "$logs"
 build() {  # $1: the directory to build the extension into; CFLAGS etc. from the caller
     "$PY" setup.py -q build_ext --build-lib "$out/$1" --build-temp "$out/$1-tmp" \
@@ -95,4 +96,4 @@ else
 fi
 
 section "findings"
-"$PY" tools/memcheck_report.py "$logs"
+"$PY" .ci/memcheck_report.py "$logs"
