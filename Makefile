@@ -67,7 +67,7 @@ lint: $(LINT_VENV)/.ready
 	$(LINT_PY) -m ruff check src tests bench .ci
 	$(LINT_PY) -m ruff format --check src tests bench .ci
 	$(LINT_PY) -m mypy
-	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx
+	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx src/kvqueue/_screen.pyx
 
 bench: $(BENCH_VENV)/.ready
 	$(BENCH_PY) bench/run.py $(BENCH_ARGS)
@@ -94,4 +94,4 @@ py314:
 	bash .ci/py314.sh
 
 clean:
-	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_queue.h
+	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_queue.h src/kvqueue/_screen.c
