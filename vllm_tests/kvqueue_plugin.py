@@ -101,7 +101,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     wrong = {cls for cls in _built if cls is not _expected}
     # With a twin, every pool method the guard wraps must still be the guard.
     guarded = getattr(block_pool.BlockPool.free_blocks, "__kvqueue_guard__", False)
-    if guarded != (_expected is not kv_cache_utils.FreeKVCacheBlockQueue):
+    if guarded != (item.config.getoption("kvqueue") != "none"):
         wrong.add(f"BlockPool.free_blocks guarded={guarded}")
     item.user_properties.append(("kvqueue_pools", len(_built)))
     if wrong:
