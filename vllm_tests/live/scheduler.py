@@ -84,11 +84,10 @@ def pool_evidence(pool: BlockPool) -> dict[str, Any]:
     }
 
 
-def pool_repairs(pool: BlockPool) -> dict[str, int] | None:
+def pool_repairs(pool: BlockPool) -> dict[str, int]:
     import kvqueue.vllm
 
-    counters = getattr(kvqueue.vllm, "pool_repairs", None)
-    return dict(counters(pool)) if counters is not None else None
+    return dict(kvqueue.vllm.pool_repairs(pool))
 
 
 def violations(pool: BlockPool, tables: list[dict[str, list[Any]]]) -> list[str]:
@@ -151,7 +150,10 @@ class CheckedScheduler(Scheduler):
         self.last_found: list[str] = []
         self.repairs: dict[str, int] | None = None
         logging.getLogger("kvqueue").addHandler(_ToJournal(self.journal))
-        self.journal.write("started", **pool_evidence(self.pool))
+        evidence = pool_evidence(self.pool)
+        # Repair counters are read only from a pool the guard watches.
+        self.guarded = bool((evidence["status"] or {}).get("pool_guard"))
+        self.journal.write("started", **evidence)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = self._watched(super().schedule, *args, **kwargs)
@@ -193,7 +195,7 @@ class CheckedScheduler(Scheduler):
                 violating_steps=self.violating_steps,
             )
         self.last_found = found
-        repairs = pool_repairs(self.pool)
+        repairs = pool_repairs(self.pool) if self.guarded else None
         if repairs != self.repairs:
             self.repairs = repairs
             self.journal.write("repairs", step=self.steps, counters=repairs)
