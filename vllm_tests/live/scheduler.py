@@ -40,6 +40,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from live import INJECT, INJECT_COUNT, JOURNAL
 
+#: vLLM 0.33.0's BlockPool methods that move reference counts or hand out blocks.
+GUARDED = ("free_blocks", "touch", "get_new_blocks", "unpin_blocks")
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
 
@@ -72,16 +74,22 @@ def pool_evidence(pool: BlockPool) -> dict[str, Any]:
     import kvqueue.vllm
 
     status = getattr(kvqueue.vllm, "status", None)
-    free_blocks = type(pool).free_blocks
     return {
         "queue": f"{type(pool.free_block_queue).__module__}.{type(pool.free_block_queue).__name__}",
         "on_misuse": getattr(pool.free_block_queue, "on_misuse", None),
         "installed": kvqueue.vllm.installed(),
         # None when this kvqueue has no pool guard yet.
         "status": status() if status is not None else None,
-        "free_blocks": f"{free_blocks.__module__}.{free_blocks.__qualname__}",
+        # Where the code of each pool method the guard covers comes from: vLLM's block_pool.py
+        # unguarded (a wrapper may copy vLLM's names, never its code object).
+        "methods": {name: _defined_in(getattr(type(pool), name)) for name in GUARDED},
         "num_blocks": pool.num_gpu_blocks,
     }
+
+
+def _defined_in(function: Any) -> str:
+    code = getattr(function, "__code__", None)
+    return code.co_filename if code is not None else repr(function)
 
 
 def pool_repairs(pool: BlockPool) -> dict[str, int]:
