@@ -170,9 +170,8 @@ def test_vllm_alone_is_damaged_by_a_double_free(runs: Runs, form: str) -> None:
     assert damage or died, run.output[-3000:]
     if damage:
         assert f"block {injected['block']}: ref_cnt -1, 0 holders" in damage[0]["found"]
-    if died:
-        assert died[0]["type"] == "AssertionError"
-        assert died[0]["raised_at"].startswith("block_pool.py:")
+    if died:  # seen: AssertionError at block_pool.py's get_new_blocks
+        assert died[0]["raised_at"].startswith(("block_pool.py:", "kv_cache_utils.py:"))
         assert run.result["error"] is not None
 
 
