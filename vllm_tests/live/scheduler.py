@@ -40,6 +40,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from live import INJECT, INJECT_COUNT, JOURNAL
 
+#: vLLM 0.33.0's BlockPool methods that move reference counts or hand out blocks.
+GUARDED = ("free_blocks", "touch", "get_new_blocks", "unpin_blocks")
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
 
@@ -72,23 +74,28 @@ def pool_evidence(pool: BlockPool) -> dict[str, Any]:
     import kvqueue.vllm
 
     status = getattr(kvqueue.vllm, "status", None)
-    free_blocks = type(pool).free_blocks
     return {
         "queue": f"{type(pool.free_block_queue).__module__}.{type(pool.free_block_queue).__name__}",
         "on_misuse": getattr(pool.free_block_queue, "on_misuse", None),
         "installed": kvqueue.vllm.installed(),
         # None when this kvqueue has no pool guard yet.
         "status": status() if status is not None else None,
-        "free_blocks": f"{free_blocks.__module__}.{free_blocks.__qualname__}",
+        # Where the code of each pool method the guard covers comes from: vLLM's block_pool.py
+        # unguarded (a wrapper may copy vLLM's names, never its code object).
+        "methods": {name: _defined_in(getattr(type(pool), name)) for name in GUARDED},
         "num_blocks": pool.num_gpu_blocks,
     }
 
 
-def pool_repairs(pool: BlockPool) -> dict[str, int] | None:
+def _defined_in(function: Any) -> str:
+    code = getattr(function, "__code__", None)
+    return code.co_filename if code is not None else repr(function)
+
+
+def pool_repairs(pool: BlockPool) -> dict[str, int]:
     import kvqueue.vllm
 
-    counters = getattr(kvqueue.vllm, "pool_repairs", None)
-    return dict(counters(pool)) if counters is not None else None
+    return dict(kvqueue.vllm.pool_repairs(pool))
 
 
 def violations(pool: BlockPool, tables: list[dict[str, list[Any]]]) -> list[str]:
@@ -151,7 +158,10 @@ class CheckedScheduler(Scheduler):
         self.last_found: list[str] = []
         self.repairs: dict[str, int] | None = None
         logging.getLogger("kvqueue").addHandler(_ToJournal(self.journal))
-        self.journal.write("started", **pool_evidence(self.pool))
+        evidence = pool_evidence(self.pool)
+        # Repair counters are read only from a pool the guard watches.
+        self.guarded = bool((evidence["status"] or {}).get("pool_guard"))
+        self.journal.write("started", **evidence)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = self._watched(super().schedule, *args, **kwargs)
@@ -193,7 +203,7 @@ class CheckedScheduler(Scheduler):
                 violating_steps=self.violating_steps,
             )
         self.last_found = found
-        repairs = pool_repairs(self.pool)
+        repairs = pool_repairs(self.pool) if self.guarded else None
         if repairs != self.repairs:
             self.repairs = repairs
             self.journal.write("repairs", step=self.steps, counters=repairs)
