@@ -7,6 +7,7 @@
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
+#   make demo             a double free in a live vLLM engine: vLLM's queue, kvqueue raise, repair
 #   make memcheck         the compiled twin under AddressSanitizer and valgrind
 #   make py314            the wheel and the suite on Debian unstable's CPython 3.14 (root)
 #   make clean
@@ -34,7 +35,7 @@ PIP := -m pip install -q
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
 
-.PHONY: test bench bench-scheduler lint memcheck py314 vllm-tests clean
+.PHONY: test bench bench-scheduler demo lint memcheck py314 vllm-tests clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv --clear $(VENV)
@@ -85,6 +86,11 @@ vllm-tests:
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
 	    && "$$venv/bin/python" vllm_tests/run.py $(VLLM_TESTS_ARGS) \
 	    && "$$venv/bin/python" -m pytest -p no:cacheprovider -p no:asyncio vllm_tests
+
+# A live vLLM engine on the CPU (vllm_tests/live/), a double free injected in its engine core,
+# three ways side by side (DEMO_ARGS=--form B: a free block freed again).
+demo:
+	$(PYTHON311) vllm_tests/live/demo.py $(DEMO_ARGS)
 
 # MEMCHECK_ARGS=--full: the whole suite under both tools.
 memcheck: $(VENV)/.ready

@@ -304,7 +304,9 @@ def _where(pool: Any) -> str:
         frame = frame.f_back
     site = "unknown"
     if frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/").split("/")
-        site = f"{'/'.join(path[-3:])}:{frame.f_lineno} in {frame.f_code.co_name}"
+        # An installed package by its import path (vllm/v1/core/...), else the file's tail.
+        path = frame.f_code.co_filename.replace("\\", "/")
+        path = path.rpartition("-packages/")[2] or path
+        site = f"{'/'.join(path.split('/')[-4:])}:{frame.f_lineno} in {frame.f_code.co_name}"
     blocks = getattr(pool, "num_gpu_blocks", "?")
     return f"Pool: BlockPool at {id(pool):#x} ({blocks} blocks); called from {site}"
