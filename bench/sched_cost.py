@@ -155,8 +155,8 @@ def measure(
     out: dict[str, Any] = {"twins": {}}
     for twin in twins:
         on, off = ns_per_step((twin, True)), ns_per_step((twin, False))
-        per_method = {m: 0 for m in GUARDED}
-        blocks = {m: 0 for m in GUARDED}
+        per_method = dict.fromkeys(GUARDED, 0)
+        blocks = dict.fromkeys(GUARDED, 0)
         for i, n in zip(calls, sizes[twin], strict=True):
             per_method[GUARDED[i]] += 1
             blocks[GUARDED[i]] += n

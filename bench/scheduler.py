@@ -21,11 +21,13 @@ every block's reference count and hash), or the process fails. Ratios are taken 
 process (against ``vllm``; the guard's against the same twin with the guard off), then the
 median over processes with a bootstrap 95% interval (bench/stats.py). The queue's own time is
 the microbenchmark's (bench/run.py); here one run on vLLM's queue counts its calls per step.
+The guard's own µs per step, which the step-time difference is too noisy to show, is probed
+call by call for each twin (bench/sched_cost.py: ``--cost-reps`` runs guard on and off).
 Results: bench/results/scheduler-*.json and a Markdown table on stdout.
 
 ``--check`` (CI) runs each contender once on short workloads over a small pool (it fills and
 evicts), and fails on any such difference, or when the workloads miss a queue call the pool
-makes or the prefix cache's eviction.
+makes or the prefix cache's eviction; it also runs the guard's probes once per twin.
 """
 
 from __future__ import annotations
@@ -448,9 +450,7 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
                 if "probed_us_per_step" in g:
                     probed = _fmt(g["probed_us_per_step"], 2)
                     calls = ", ".join(f"{m} {k:.2f}" for m, k in g["calls_per_step"].items())
-                    screened = ", ".join(
-                        f"{m} {k:.1f}" for m, k in g["blocks_per_step"].items()
-                    )
+                    screened = ", ".join(f"{m} {k:.1f}" for m, k in g["blocks_per_step"].items())
                 lines.append(
                     f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 1)} | "
                     f"{probed} | {calls} | {screened} |"
@@ -504,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, help="fresh processes (7; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
     parser.add_argument(
-        "--cost-reps", type=int, help="probed runs per twin, guard on and off (3; quick 2; 0: none)"
+        "--cost-reps",
+        type=int,
+        help="probed runs per twin, guard on and off (3, odd: a median per call; 0: none)",
     )
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
     parser.add_argument(
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     args.processes = args.processes or (3 if args.quick else 7)
     args.reps = args.reps or (3 if args.quick else 5)
     if args.cost_reps is None:
-        args.cost_reps = 2 if args.quick else 3
+        args.cost_reps = 3
     data = run(args)
     out = args.out or RESULTS / f"scheduler-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
