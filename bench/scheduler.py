@@ -21,11 +21,13 @@ every block's reference count and hash), or the process fails. Ratios are taken 
 process (against ``vllm``; the guard's against the same twin with the guard off), then the
 median over processes with a bootstrap 95% interval (bench/stats.py). The queue's own time is
 the microbenchmark's (bench/run.py); here one run on vLLM's queue counts its calls per step.
+The guard's own µs per step, which the step-time difference is too noisy to show, is probed
+call by call for each twin (bench/sched_cost.py: ``--cost-reps`` runs guard on and off).
 Results: bench/results/scheduler-*.json and a Markdown table on stdout.
 
 ``--check`` (CI) runs each contender once on short workloads over a small pool (it fills and
 evicts), and fails on any such difference, or when the workloads miss a queue call the pool
-makes or the prefix cache's eviction.
+makes or the prefix cache's eviction; it also runs the guard's probes once per twin.
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     from launch import pin
 
     cpu = pin(job.get("cpu"))
+    import sched_cost
     import sched_engine
     import sched_workload
 
@@ -227,6 +230,12 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             for name in contenders:
                 steps[name].append(run_contender(name, factory, specs, w, recorded))
         use(REFERENCE)
+        twins = [n for n in job["contenders"] if "+" not in n and f"{n}+guard" in contenders]
+        cost = None
+        if twins and job["cost_reps"]:
+            cost = sched_cost.measure(
+                factory, specs, w, twins, job["cost_reps"], rng, recorded["fingerprint"]
+            )
         result["workloads"][wname] = {
             "params": dataclasses.asdict(w),
             "timed_steps": w.steps - w.warmup_steps,
@@ -234,6 +243,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "counters": recorded["counters"],
             "queue_calls": recorded["queue_calls"],
             "step_s": steps,
+            "guard_cost": cost,
         }
     return result
 
@@ -242,6 +252,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def check(workloads: list[str], contenders: list[str]) -> int:
+    import sched_cost
     import sched_engine
     import sched_workload
 
@@ -270,6 +281,19 @@ def check(workloads: list[str], contenders: list[str]) -> int:
                 failures.append(f"{wname}: {exc}")
                 continue
             print(f"scheduler --check: {wname} {name}: same schedule, same pool", flush=True)
+        twins = [n for n in contenders if "+" not in n and f"{n}+guard" in contenders]
+        if twins:  # the guard's probes (sched_cost.py) work, and change no schedule
+            try:
+                cost = sched_cost.measure(
+                    factory, specs, w, twins, 1, random.Random(0), recorded["fingerprint"]
+                )
+            except SystemExit as exc:
+                failures.append(f"{wname}: {exc}")
+                continue
+            for twin, c in cost["twins"].items():
+                per = ", ".join(f"{m} {k:.1f}" for m, k in c["calls_per_step"].items())
+                print(f"scheduler --check: {wname} {twin}+guard probed: same schedule; "
+                      f"guarded calls per step: {per}", flush=True)  # fmt: skip
     use(REFERENCE)
     for failure in failures:
         print(f"scheduler --check: FAIL: {failure}", file=sys.stderr)
@@ -286,7 +310,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     jobs = [
         {"round": round_, "workloads": args.workloads, "contenders": args.contenders,
-         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu}
+         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu,
+         "cost_reps": args.cost_reps}
         for round_ in range(args.processes)
     ]  # fmt: skip
     command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
@@ -297,6 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "processes": args.processes,
             "reps": args.reps,
+            "cost_reps": args.cost_reps,
             "quick": args.quick,
             "seed": args.seed,
             "contenders": args.contenders,
@@ -345,6 +371,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 "process_spread": max(m[name] for m in step) / min(m[name] for m in step),
             }
         guard = {}
+        costs = [p.get("guard_cost") for p in per]
         for name in names:
             twin, _, on = name.partition("+")
             if on and twin in names:
@@ -354,6 +381,16 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                         [(m[name] - m[twin]) / steps * 1e6 for m in step]
                     ),
                 }
+                if all(c and twin in c["twins"] for c in costs):
+                    probed = [c["twins"][twin] for c in costs]  # type: ignore[index]
+                    guard[twin]["probed_us_per_step"] = bootstrap_median(
+                        [c["guard_ns_per_step"] / 1e3 for c in probed]
+                    )
+                    guard[twin]["shim_ns_per_call"] = median(c["shim_ns_per_call"] for c in probed)
+                    guard[twin]["calls_per_step"] = probed[0]["calls_per_step"]
+                    guard[twin]["blocks_per_step"] = probed[0]["blocks_per_step"]
+        nulls = [c.get("null_ns_per_step") for c in costs if c]
+        null = bootstrap_median([x / 1e3 for x in nulls]) if nulls and None not in nulls else None
         summary[wname] = {
             "params": per[0]["params"],
             "timed_steps": steps,
@@ -362,6 +399,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "queue_calls": per[0]["queue_calls"],
             "rows": rows,
             "guard": guard,
+            "probe_null_us_per_step": null,
         }
     return summary
 
@@ -397,14 +435,41 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
             "The pool guard: each twin with the guard on against the same twin with it off, "
             "in the same processes.",
             "",
-            "| workload | twin | step, guard on / off | guard µs/step |",
-            "|---|---|---|---|",
+            "*step Δ*: the step-time difference (noise, not the guard's cost); *guard µs/step*: "
+            "the guard's own time, probed call by call (bench/sched_cost.py: median of "
+            f"{s.get('cost_reps', '?')} probed runs per call, guard on less guard off, "
+            "summed per step).",
+            "",
+            "| workload | twin | step, guard on / off | step Δ µs | guard µs/step | "
+            "guarded calls/step | blocks screened/step |",
+            "|---|---|---|---|---|---|---|",
         ]
-        lines += [
-            f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 2)} |"
-            for wname, t in summary.items()
-            for twin, g in t["guard"].items()
+        for wname, t in summary.items():
+            for twin, g in t["guard"].items():
+                probed, calls, screened = "n/a", "", ""
+                if "probed_us_per_step" in g:
+                    probed = _fmt(g["probed_us_per_step"], 2)
+                    calls = ", ".join(f"{m} {k:.2f}" for m, k in g["calls_per_step"].items())
+                    screened = ", ".join(f"{m} {k:.1f}" for m, k in g["blocks_per_step"].items())
+                lines.append(
+                    f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 1)} | "
+                    f"{probed} | {calls} | {screened} |"
+                )
+        nulls = [(w, t["probe_null_us_per_step"]) for w, t in summary.items()]
+        shims = [
+            g["shim_ns_per_call"]
+            for t in summary.values()
+            for g in t["guard"].values()
+            if "shim_ns_per_call" in g
         ]
+        if shims and all(n for _, n in nulls):
+            lines += [
+                "",
+                "The probe's error: the null test (guard off, python's gaps less cython's, "
+                "which should be 0) gives "
+                + "; ".join(f"{w} {_fmt(n, 2)} µs/step" for w, n in nulls)
+                + f". The shims' own cost subtracted: {min(shims):.0f}-{max(shims):.0f} ns a call.",
+            ]
     if s["skipped"]:
         lines += ["", f"Not run: {s['skipped']}."]
     lines += ["", "Workloads (per timed step, from the recorded run on vLLM's queue):"]
@@ -438,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="equivalence only, no timing")
     parser.add_argument("--processes", type=int, help="fresh processes (7; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
+    parser.add_argument(
+        "--cost-reps",
+        type=int,
+        help="probed runs per twin, guard on and off (3, odd: a median per call; 0: none)",
+    )
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
     parser.add_argument(
         "--workloads", default=",".join(sched_workload.WORKLOADS), help="comma-separated"
@@ -469,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         return check(args.workloads, args.contenders)
     args.processes = args.processes or (3 if args.quick else 7)
     args.reps = args.reps or (3 if args.quick else 5)
+    if args.cost_reps is None:
+        args.cost_reps = 3
     data = run(args)
     out = args.out or RESULTS / f"scheduler-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
