@@ -33,7 +33,7 @@ PIP := -m pip install -q
 # What an install is built from. Not the _queue.c / _queue.h that every build
 # writes into src/: with them, each install would make the next one stale.
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
-	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
+	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
 .PHONY: test bench bench-scheduler demo lint memcheck py314 vllm-tests clean
 

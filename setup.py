@@ -76,7 +76,11 @@ else:
         ext_modules=cythonize(
             [
                 Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"]),
-                Extension("kvqueue._screen", ["src/kvqueue/_screen.pyx"]),
+                Extension(
+                    "kvqueue._screen",
+                    ["src/kvqueue/_screen.pyx"],
+                    depends=["src/kvqueue/_screen.h"],
+                ),
             ],
             compiler_directives={"language_level": "3"},
         ),
