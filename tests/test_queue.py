@@ -230,7 +230,26 @@ def test_assigned_count_moves_with_the_queue(queue_mod: ModuleType) -> None:
     queue.num_free_blocks = 4
     check_queue(queue, blocks[1:] + blocks[:1], blocks)
     queue.popleft_n(4)
-    queue.num_free_blocks = 2
+    queue.num_free_blocks = 0
+    with pytest.raises(ValueError, match="No free blocks available"):
+        queue.popleft()
+
+
+@pytest.mark.parametrize("count", [2, 5])
+def test_an_empty_list_with_a_count_is_out_of_sync_for_both_pops(
+    queue_mod: ModuleType, count: int
+) -> None:
+    # vLLM's popleft() asserts num_free_blocks == 0 before its ValueError, and
+    # its popleft_n() asserts on the list: the same AssertionError from both.
+    queue = queue_mod.FreeKVCacheBlockQueue([])
+    queue.num_free_blocks = count
+    message = rf"^num_free_blocks \({count}\) is out of sync with the free list\.$"
+    with pytest.raises(AssertionError, match=message):
+        queue.popleft()
+    with pytest.raises(AssertionError, match=message):
+        queue.popleft_n(1)
+    assert queue.num_free_blocks == count
+    queue.num_free_blocks = 0
     with pytest.raises(ValueError, match="No free blocks available"):
         queue.popleft()
 
@@ -299,6 +318,4 @@ def test_a_queue_cannot_be_initialized_twice(queue_mod: ModuleType) -> None:
     queue, blocks = make(queue_mod, KVCacheBlock, 3)
     with pytest.raises(RuntimeError, match="the queue is already initialized"):
         queue.__init__([KVCacheBlock(9)])
-    with pytest.raises(RuntimeError, match="the queue is already initialized"):
-        queue._build([KVCacheBlock(9)], None, None)
     check_queue(queue, blocks, blocks)

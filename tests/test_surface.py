@@ -137,6 +137,12 @@ def test_a_copied_block_is_detached(queue_mod: ModuleType, how: str) -> None:
     assert (clone.pool, clone.is_null) == ("pool-1", False)
     assert clone.prev_free_block is None
     assert clone.next_free_block is None
+    if how == "pickle":
+        # Its pool is a copy too: the queue bound to the original's refuses it.
+        with pytest.raises(ValueError, match="another pool"):
+            queue.append(clone)
+        assert queue.get_all_free_blocks() == blocks
+        return
     # The clone is a free block of its own: it can join the queue the original is in.
     queue.append(clone)
     assert queue.get_all_free_blocks() == [*blocks, clone]
