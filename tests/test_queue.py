@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import sys
+import time
 import weakref
 from collections.abc import Iterator
 from types import ModuleType
@@ -318,4 +320,35 @@ def test_a_queue_cannot_be_initialized_twice(queue_mod: ModuleType) -> None:
     queue, blocks = make(queue_mod, KVCacheBlock, 3)
     with pytest.raises(RuntimeError, match="the queue is already initialized"):
         queue.__init__([KVCacheBlock(9)])
+    check_queue(queue, blocks, blocks)
+
+
+def test_an_assigned_count_moves_past_sys_maxsize_without_wrapping(queue_mod: ModuleType) -> None:
+    queue, _ = make(queue_mod, KVCacheBlock, 4)
+    queue.num_free_blocks = sys.maxsize
+    queue.append(queue.popleft())
+    queue.append_n(queue.popleft_n(2))
+    assert queue.num_free_blocks == sys.maxsize
+    extra = KVCacheBlock(9)
+    queue.append(extra)
+    assert queue.num_free_blocks == sys.maxsize + 1
+    with pytest.raises(OverflowError, match="cannot fit 'int' into an index-sized integer"):
+        len(queue)
+    assert [b.block_id for b in queue.popleft_n(3)] == [3, 0, 1]
+    assert queue.num_free_blocks == sys.maxsize - 2
+    assert repr(queue).startswith(f"<FreeKVCacheBlockQueue num_free_blocks={sys.maxsize - 2} ")
+    assert len(queue.get_all_free_blocks()) == 2
+
+
+@pytest.mark.parametrize("count", [10**9, 10**10, sys.maxsize])
+def test_popleft_n_beyond_the_true_length_fails_at_once(queue_mod: ModuleType, count: int) -> None:
+    # Sized from the list, never from an assigned count: no stall, no MemoryError.
+    queue, blocks = make(queue_mod, KVCacheBlock, 3)
+    queue.num_free_blocks = count
+    started = time.perf_counter()
+    with pytest.raises(AssertionError, match=rf"^num_free_blocks \({count}\) is out of sync"):
+        queue.popleft_n(count)
+    assert time.perf_counter() - started < 0.5
+    assert queue.num_free_blocks == count
+    queue.num_free_blocks = 3
     check_queue(queue, blocks, blocks)

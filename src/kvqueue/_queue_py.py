@@ -204,7 +204,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
             first.prev_free_block = first.next_free_block = None
             self._num_free_blocks = num - 1
         except BaseException:
-            self._undo(head, (first,), next_block, num)
+            self._undo(head, (first,), next_block)
+            self._num_free_blocks = num
             raise
         return first
 
@@ -239,7 +240,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 curr.prev_free_block = curr.next_free_block = None
                 self._num_free_blocks = num - 1
             except BaseException:
-                self._undo(head, (curr,), next_block, num)
+                self._undo(head, (curr,), next_block)
+                self._num_free_blocks = num
                 raise
             return [curr]
         # Walk first, unlink after: a short or broken list raises untouched.
@@ -258,7 +260,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 block.prev_free_block = block.next_free_block = None
             self._num_free_blocks = num - n
         except BaseException:
-            self._undo(head, ret, curr, num)
+            self._undo(head, ret, curr)
+            self._num_free_blocks = num
             raise
         return ret
 
@@ -288,7 +291,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
             block.prev_free_block = block.next_free_block = None
             self._num_free_blocks = num - 1
         except BaseException:
-            self._undo(prev_block, (block,), next_block, num)
+            self._undo(prev_block, (block,), next_block)
+            self._num_free_blocks = num
             raise
 
     def append(self, block: B, /) -> None:
@@ -320,7 +324,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
             tail.prev_free_block = block
             self._num_free_blocks = num + 1
         except BaseException:
-            self._undo(last_block, (), tail, num, (block,))
+            self._undo(last_block, (), tail, (block,))
+            self._num_free_blocks = num
             raise
 
     def append_n(self, blocks: Iterable[B], /) -> None:
@@ -356,7 +361,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
                     tail.prev_free_block = block
                     self._num_free_blocks = num + 1
                 except BaseException:
-                    self._undo(last_block, (), tail, num, (block,))
+                    self._undo(last_block, (), tail, (block,))
+                    self._num_free_blocks = num
                     raise
                 return
         self._link("append_n", last_block, tail, blocks)
@@ -415,10 +421,11 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 right.prev_free_block = prev
                 self._num_free_blocks = num + len(blocks)
                 return True
+            position = self._undo(left, (), right, blocks)
         except BaseException:
-            self._undo(left, (), right, num, blocks)
+            self._undo(left, (), right, blocks)
+            self._num_free_blocks = num
             raise
-        position = self._undo(left, (), right, num, blocks)
         if type(block) is not block_type and not is_block(block, block_type):
             raise _core.not_a_block(block, block_type, f"{method}()")
         linked = block.prev_free_block is not None or block.next_free_block is not None
@@ -491,35 +498,47 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._repairs[kind] = count
         _policy.report(method, block, kind, count)
 
-    def _undo(
-        self, left: Any, run: Sequence[Any], right: Any, num: int, partial: Sequence[Any] = ()
-    ) -> int:
-        """Put the list between ``left`` and ``right`` back as it was, and the count
-        to ``num``: ``run`` linked between them, the blocks of ``partial`` that this
-        call linked (those from the first whose ``prev_free_block`` is the block
-        before them) out. How many of ``partial`` it took out.
+    def _undo(self, left: Any, run: Sequence[Any], right: Any, partial: Sequence[Any] = ()) -> int:
+        """Put the list between ``left`` and ``right`` back as it was: ``run`` linked
+        between them, the blocks of ``partial`` that this call linked (those from the
+        first whose ``prev_free_block`` is the block before them) out. How many of
+        ``partial`` it took out.
 
-        Every write is absolute, so that it is right however far the call got.
+        Every write is absolute, so that it is right however far the call got. The
+        loops index instead of iterating: an iterator is an allocation, which can
+        start a collection whose finalizers would see the list half restored.
         """
         prev = left
-        for block in run:
+        i = 0
+        while i < len(run):
+            block = run[i]
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
+            i += 1
         prev.next_free_block = right
         right.prev_free_block = prev
-        self._num_free_blocks = num
         block_type = self._block_type
-        taken = 0
         prev = left
-        for block in partial:
-            if block is right or not is_block(block, block_type):
+        i = 0
+        while i < len(partial):
+            block = partial[i]
+            if block is right or (
+                type(block) is not block_type and not is_block(block, block_type)
+            ):
                 break
             if block.prev_free_block is not prev:
                 break
-            block.prev_free_block = block.next_free_block = None
             prev = block
-            taken += 1
+            i += 1
+        taken = i
+        # From the last: a block keeps its prev_free_block until its turn, so that
+        # an undo cut short by an exception finds the rest when it is run again.
+        while i > 0:
+            i -= 1
+            block = partial[i]
+            block.next_free_block = None
+            block.prev_free_block = None
         return taken
 
     def get_all_free_blocks(self, /) -> list[B]:
@@ -572,6 +591,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         raise TypeError(_errors.UNCOPYABLE)
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_head"):
+            return f"<{type(self).__qualname__} num_free_blocks=0 block_type=uninitialized>"
         return (
             f"<{type(self).__qualname__} num_free_blocks={self._num_free_blocks} "
             f"block_type={self._block_type.__qualname__}>"
