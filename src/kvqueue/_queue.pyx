@@ -154,10 +154,21 @@ cdef extern from *:
         return 0;
     }
 
-    /* _PyType_Lookup runs no Python code and sets no exception. */
-    static int kvq_same_layout(PyTypeObject *sub, PyTypeObject *tp)
+    #if defined(__GNUC__)
+    #define KVQ_NOINLINE __attribute__((noinline))
+    #elif defined(_MSC_VER)
+    #define KVQ_NOINLINE __declspec(noinline)
+    #else
+    #define KVQ_NOINLINE
+    #endif
+
+    /* A subclass of tp that keeps its layout. Out of line: kvq_is_block is inlined
+       at every link the queue follows, where the exact type is the rule.
+       _PyType_Lookup runs no Python code and sets no exception. */
+    static KVQ_NOINLINE int kvq_is_subblock(PyTypeObject *sub, PyTypeObject *tp)
     {
         size_t i;
+        if (!PyType_IsSubtype(sub, tp)) return 0;
         for (i = 0; i < KVQ_LAYOUT_N; i++) {
             if (_PyType_Lookup(sub, kvq_layout[i]) != _PyType_Lookup(tp, kvq_layout[i]))
                 return 0;
@@ -168,8 +179,7 @@ cdef extern from *:
     /* An instance of tp, or of a subclass that keeps tp's layout (_block.is_block). */
     static inline int kvq_is_block(PyObject *o, PyTypeObject *tp)
     {
-        return Py_TYPE(o) == tp
-            || (PyType_IsSubtype(Py_TYPE(o), tp) && kvq_same_layout(Py_TYPE(o), tp));
+        return Py_TYPE(o) == tp || kvq_is_subblock(Py_TYPE(o), tp);
     }
     """
     Py_ssize_t kvq_slot_offset(object d)

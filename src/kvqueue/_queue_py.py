@@ -244,23 +244,26 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 self._num_free_blocks = num
                 raise
             return [curr]
-        # Walk first, unlink after: a short or broken list raises untouched.
+        # One pass, as vLLM's. At every bytecode the first block not yet taken is
+        # `next_block` once `curr` is in `ret`, else `curr`: the handler relinks
+        # the taken blocks before it.
         ret: list[B] = []
-        for _ in range(n):
-            if curr is None or curr is tail:
-                raise _errors.out_of_sync(num)
-            ret.append(curr)
-            curr = curr.next_free_block
-        if curr is None:
-            raise _errors.invalid_next("popleft_n")
+        next_block = curr
         try:
+            for _ in range(n):
+                if curr is None or curr is tail:
+                    raise _errors.out_of_sync(num)
+                next_block = curr.next_free_block
+                ret.append(curr)
+                curr.prev_free_block = curr.next_free_block = None
+                curr = next_block
+            if curr is None:
+                raise _errors.invalid_next("popleft_n")
             head.next_free_block = curr
             curr.prev_free_block = head
-            for block in ret:
-                block.prev_free_block = block.next_free_block = None
             self._num_free_blocks = num - n
         except BaseException:
-            self._undo(head, ret, curr)
+            self._undo(head, ret, next_block if ret and ret[-1] is curr else curr)
             self._num_free_blocks = num
             raise
         return ret
@@ -517,7 +520,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
             prev = block
             i += 1
         prev.next_free_block = right
-        right.prev_free_block = prev
+        if right is not None:  # None: popleft_n found the list broken there
+            right.prev_free_block = prev
         block_type = self._block_type
         prev = left
         i = 0
