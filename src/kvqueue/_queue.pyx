@@ -340,7 +340,11 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             return self._spare_obj
         if self._offset == 0:
             return new_len
-        # An assigned count: Python's arithmetic, which cannot overflow.
+        return self._assigned_count_obj(new_len)
+
+    cdef object _assigned_count_obj(self, Py_ssize_t new_len):
+        """The int of an assigned count, in Python's arithmetic, which cannot
+        overflow. Out of line: kept small, _count_obj is inlined."""
         return <object>new_len + <object>self._offset
 
     cdef inline void _set_count(self, Py_ssize_t new_len, object num_obj) noexcept:
@@ -490,7 +494,8 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             if count == 0:
                 return []
             raise _errors.negative(index)
-        self._check_takes(count, index)
+        if not self._takes(count):
+            self._refuse_takes(count, index)
         # Allocate before reading the list: on 3.11 an allocation can run a
         # collection, whose finalizers may call this queue (and free the first
         # block). Until it is full and returned, `ret` is hidden from the
@@ -498,7 +503,8 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         # size is at most the true length, never an assigned count.
         cdef list ret = PyList_New(count)
         PyObject_GC_UnTrack(ret)
-        self._check_takes(count, index)
+        if not self._takes(count):
+            self._refuse_takes(count, index)
         head = self.fake_free_list_head
         cdef PyObject *tail = <PyObject *>self.fake_free_list_tail
         cdef PyObject *curr = self._follow(<PyObject *>head, self._next, "popleft_n()")
@@ -524,14 +530,16 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         PyObject_GC_Track(ret)
         return ret
 
-    cdef inline int _check_takes(self, Py_ssize_t count, object index) except -1:
-        """popleft_n's checks of ``count`` > 0: the count first, then the true length."""
-        # count > len + offset, written so that neither side can overflow.
+    cdef inline bint _takes(self, Py_ssize_t count) noexcept:
+        """Whether popleft_n(count > 0) can take ``count`` blocks: the count first
+        (count > len + offset, written so that neither side can overflow), then the
+        true length."""
+        return count - self._len <= self._offset and count <= self._len
+
+    cdef int _refuse_takes(self, Py_ssize_t count, object index) except -1:
         if count - self._len > self._offset:
             raise _errors.too_many(index, self._num_obj)
-        if count > self._len:
-            raise _errors.out_of_sync(self._num_obj)
-        return 0
+        raise _errors.out_of_sync(self._num_obj)
 
     def remove(self, block, /):
         """Take ``block`` out of the middle of the queue. O(1).
@@ -665,51 +673,63 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         """
         cdef Py_ssize_t i
         cdef PyObject *b
-        cdef PyObject *prev_link
-        cdef PyObject *next_link
         cdef PyObject *prev = <PyObject *>left
         cdef PyTypeObject *tp = self._tp
         cdef Py_ssize_t P = self._prev
         cdef Py_ssize_t N = self._next
-        cdef PyObject *pool = NULL if self._pool is None else <PyObject *>self._pool
-        cdef Py_ssize_t pool_off = self._pool_off
+        # A bound queue's pool is checked in a pass of its own, which leaves the
+        # linking loop as it is for an unbound one: the loop stops where it found
+        # the first block of another pool, and that block fails as in the pure twin.
+        cdef Py_ssize_t limit = n if self._pool is None else self._pool_run(seq, n)
         # An int allocation cannot start a collection (ints are not tracked),
         # so no Python code runs here before the loop reads `seq`.
         num_obj = self._count_obj(self._len + n)
-        for i in range(n):
+        for i in range(limit):
             b = PySequence_Fast_GET_ITEM(seq, i)
-            if kvq_is_block(b, tp):
-                prev_link = kvq_get(b, P)
-                next_link = kvq_get(b, N)
-                if (
-                    prev_link is NONE
-                    and next_link is NONE
-                    and (pool is NULL or kvq_get(b, pool_off) is pool)
-                ):
-                    kvq_set(b, P, prev)
-                    if i:
-                        kvq_set(prev, N, b)
-                    prev = b
-                    continue
-            self._unlink_run(seq, i)
-            block = <object>b
-            if not kvq_is_block(b, tp):
-                raise _core.not_a_block(block, self.block_type, f"{method}()")
-            linked = self._read(b, P) is not NONE or self._read(b, N) is not NONE
-            if not linked and pool is not NULL:
-                self._read(b, pool_off)  # unset: the AttributeError the pure twin gets
-            if screened:
-                return 0
-            if self._repair:
-                self._link_repaired(method, seq)
-                return 1
-            sentinels = (self.fake_free_list_head, self.fake_free_list_tail)
-            raise _core.misuse(method, _core.link_misuse(block, seq, i, linked, sentinels), block)
+            if kvq_is_block(b, tp) and kvq_get(b, P) is NONE and kvq_get(b, N) is NONE:
+                kvq_set(b, P, prev)
+                if i:
+                    kvq_set(prev, N, b)
+                prev = b
+                continue
+            return self._link_failed(method, seq, i, screened)
+        if limit < n:
+            return self._link_failed(method, seq, limit, screened)
         kvq_set(prev, N, <PyObject *>right)
         _old_prev = kvq_swap(<PyObject *>right, P, prev)
         _old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
         self._set_count(self._len + n, num_obj)
         return 1
+
+    cdef Py_ssize_t _pool_run(self, object seq, Py_ssize_t n) noexcept:
+        """The index of the first item of ``seq`` that is not a block of the pool, or ``n``."""
+        cdef Py_ssize_t i
+        cdef PyObject *b
+        for i in range(n):
+            b = PySequence_Fast_GET_ITEM(seq, i)
+            if not kvq_is_block(b, self._tp) or kvq_get(b, self._pool_off) is not (
+                <PyObject *>self._pool
+            ):
+                return i
+        return n
+
+    cdef int _link_failed(self, str method, object seq, Py_ssize_t i, bint screened) except -1:
+        """``_link`` stopped at ``seq[i]``: undo, then raise, repair, or return 0."""
+        self._unlink_run(seq, i)
+        block = <object>PySequence_Fast_GET_ITEM(seq, i)
+        cdef PyObject *b = <PyObject *>block
+        if not kvq_is_block(b, self._tp):
+            raise _core.not_a_block(block, self.block_type, f"{method}()")
+        linked = self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE
+        if not linked and self._pool is not None:
+            self._read(b, self._pool_off)  # unset: the AttributeError the pure twin gets
+        if screened:
+            return 0
+        if self._repair:
+            self._link_repaired(method, seq)
+            return 1
+        sentinels = (self.fake_free_list_head, self.fake_free_list_tail)
+        raise _core.misuse(method, _core.link_misuse(block, seq, i, linked, sentinels), block)
 
     cdef int _link_repaired(self, str method, object seq) except -1:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.

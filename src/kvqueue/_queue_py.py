@@ -278,8 +278,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         block_type = self._block_type
         if type(block) is not block_type and not is_block(block, block_type):
             raise _core.not_a_block(block, block_type, "remove()")
-        pool = self._pool
-        if pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
+        if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
             # A sentinel's pool is None, but removing one is the unbound queue's error.
             kind = "not_linked" if block is self._head or block is self._tail else "other_pool"
             return self._misuse("remove", block, kind)
@@ -314,8 +313,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if block.prev_free_block is not None or block.next_free_block is not None:
             kind = "sentinel" if block is self._head or block is tail else "linked"
             return self._misuse("append", block, kind)
-        pool = self._pool
-        if pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
+        if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
             return self._misuse("append", block, "other_pool")
         num = self._num_free_blocks
         # The one-block link, written out here and in append_n: a call to a
@@ -349,12 +347,11 @@ class FreeKVCacheBlockQueue(Generic[B]):
             # One block, the most frequent batch, linked as append() links it. Only an
             # exact-type, unlinked block of the pool takes this path; _link reports the rest.
             block = blocks[0]
-            pool = self._pool
             if (
                 type(block) is self._block_type
                 and block.prev_free_block is None
                 and block.next_free_block is None
-                and (pool is None or block.pool is pool)  # type: ignore[attr-defined]
+                and (self._pool is None or block.pool is self._pool)  # type: ignore[attr-defined]
             ):
                 num = self._num_free_blocks
                 try:
@@ -405,25 +402,28 @@ class FreeKVCacheBlockQueue(Generic[B]):
         False, with nothing linked, if one of them was linked meanwhile.
         """
         block_type = self._block_type
-        pool = self._pool
         num = self._num_free_blocks
+        # A bound queue's pool is checked in a pass of its own, which leaves the
+        # linking loop as it is for an unbound one: the loop stops where it found
+        # the first block of another pool, and that block fails there.
+        run = blocks if self._pool is None else self._pool_run(blocks)
         prev: Any = left
         try:
-            for block in blocks:
+            for block in run:
                 if type(block) is not block_type and not is_block(block, block_type):
                     break
                 if block.prev_free_block is not None or block.next_free_block is not None:
-                    break
-                if pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
                     break
                 block.prev_free_block = prev
                 prev.next_free_block = block
                 prev = block
             else:
-                prev.next_free_block = right
-                right.prev_free_block = prev
-                self._num_free_blocks = num + len(blocks)
-                return True
+                if run is blocks:
+                    prev.next_free_block = right
+                    right.prev_free_block = prev
+                    self._num_free_blocks = num + len(blocks)
+                    return True
+                block = blocks[len(run)]
             position = self._undo(left, (), right, blocks)
         except BaseException:
             self._undo(left, (), right, blocks)
@@ -432,6 +432,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if type(block) is not block_type and not is_block(block, block_type):
             raise _core.not_a_block(block, block_type, f"{method}()")
         linked = block.prev_free_block is not None or block.next_free_block is not None
+        if not linked and self._pool is not None:
+            block.pool  # type: ignore[attr-defined]  # noqa: B018 (unset: AttributeError)
         kind = _core.link_misuse(block, blocks, position, linked, (self._head, self._tail))
         if screened:
             return False
@@ -439,6 +441,16 @@ class FreeKVCacheBlockQueue(Generic[B]):
             self._link_repaired(method, blocks)
             return True
         raise _core.misuse(method, kind, block)
+
+    def _pool_run(self, blocks: Sequence[B]) -> Sequence[B]:
+        """``blocks`` if all are blocks of the pool, else those before the first that
+        is not (the compiled twin's ``_pool_run`` gives that index)."""
+        block_type = self._block_type
+        pool = self._pool
+        for i, block in enumerate(blocks):
+            if not is_block(block, block_type) or getattr(block, "pool", None) is not pool:
+                return blocks[:i]
+        return blocks
 
     def _link_repaired(self, method: str, blocks: Sequence[B]) -> None:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
