@@ -6,10 +6,10 @@ VENV ?= .venv
 BENCH_VENV ?= .venv-bench
 PY := $(VENV)/bin/python
 BENCH_PY := $(BENCH_VENV)/bin/python
-# What an install is built from. Not the _queue.c / _queue.h that every build
-# writes into src/: with them, each install would make the next one stale.
+# What an install is built from. Not the _queue.c that every build writes into
+# src/: with it, each install would make the next one stale.
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
-	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd)
+	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
 .PHONY: test bench bench-engine bench-scheduler engine-check lint memcheck py314 vllm-tests clean
 
@@ -71,4 +71,4 @@ py314:
 	bash .ci/py314.sh
 
 clean:
-	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_queue.h
+	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c

@@ -77,7 +77,11 @@ else:
 
     setup(
         ext_modules=cythonize(
-            [Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"])],
+            [
+                Extension(
+                    "kvqueue._queue", ["src/kvqueue/_queue.pyx"], depends=["src/kvqueue/_slots.h"]
+                )
+            ],
             compiler_directives={"language_level": "3"},
         ),
         cmdclass={"build_ext": build_ext_or_pure, "bdist_wheel": bdist_wheel_or_pure},

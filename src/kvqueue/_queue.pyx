@@ -23,7 +23,7 @@ cimport cython
 from cpython.object cimport Py_TYPE, PyObject, PyTypeObject
 from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_CLEAR, Py_INCREF, Py_XDECREF
 from cpython.number cimport PyNumber_Index
 from cpython.type cimport PyType_Check, PyType_IsSubtype
 
@@ -32,156 +32,7 @@ from types import GenericAlias
 from kvqueue import _core, _errors, _policy
 from kvqueue._block import KVCacheBlock, check_block_type, lookup
 
-cdef extern from *:
-    """
-    #include "structmember.h"
-    #ifndef Py_T_OBJECT_EX
-    #define Py_T_OBJECT_EX T_OBJECT_EX
-    #define Py_READONLY READONLY
-    #endif
-
-    /* Byte offset of the writable object slot behind member descriptor d, or -1. */
-    static Py_ssize_t kvq_slot_offset(PyObject *d)
-    {
-        PyMemberDescrObject *md;
-        PyMemberDef *m;
-        if (Py_TYPE(d) != &PyMemberDescr_Type) return -1;
-        md = (PyMemberDescrObject *)d;
-        m = md->d_member;
-        if (m->type != Py_T_OBJECT_EX || (m->flags & Py_READONLY)) return -1;
-        if (m->offset < (Py_ssize_t)sizeof(PyObject)
-            || m->offset + (Py_ssize_t)sizeof(PyObject *) > PyDescr_TYPE(md)->tp_basicsize)
-            return -1;
-        return m->offset;
-    }
-
-    #define KVQ_SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
-
-    /* The link, borrowed; NULL when the slot was never set or was deleted. */
-    static inline PyObject *kvq_get(PyObject *o, Py_ssize_t off)
-    {
-        return KVQ_SLOT(o, off);
-    }
-
-    /* Store v, releasing the old value at once (it must be None or held elsewhere). */
-    static inline void kvq_set(PyObject *o, Py_ssize_t off, PyObject *v)
-    {
-        PyObject *old = KVQ_SLOT(o, off);
-        Py_INCREF(v);
-        KVQ_SLOT(o, off) = v;
-        Py_XDECREF(old);
-    }
-
-    /* Store v and return the old value as a new reference (None if unset). */
-    static inline PyObject *kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
-    {
-        PyObject *old = KVQ_SLOT(o, off);
-        Py_INCREF(v);
-        KVQ_SLOT(o, off) = v;
-        if (old == NULL) {
-            Py_INCREF(Py_None);
-            old = Py_None;
-        }
-        return old;
-    }
-
-    /* An int as Py_ssize_t, clamped instead of overflowing: out-of-range
-       counts take the same error paths as in-range ones. */
-    #define kvq_clamped_ssize(o) PyNumber_AsSsize_t((o), NULL)
-
-    /* num_free_blocks as a read-only T_OBJECT_EX member, not Cython's getset
-       property: the 3.11+ interpreter reads such a member as fast as a
-       __slots__ field (LOAD_ATTR_SLOT), and vLLM's block pool reads the count
-       dozens of times per scheduler step. */
-    #define KVQ_COUNT_OFFSET ((Py_ssize_t)offsetof(struct KvqQueueObject, _num_obj))
-    static PyMemberDef kvq_count_member = {
-        "num_free_blocks", Py_T_OBJECT_EX, 0, Py_READONLY,
-        "The number of free blocks. Assignable, as vLLM's plain attribute is (its "
-        "tests set 0 to fake a full cache): later calls then move the assigned count, "
-        "while the queue's own checks keep using the true length. Raises TypeError "
-        "for a non-integer, ValueError for one below 0 or above sys.maxsize."
-    };
-    static int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset)
-    {
-        PyObject *descr;
-        int err;
-        kvq_count_member.offset = offset;
-        descr = PyDescr_NewMember(tp, &kvq_count_member);
-        if (descr == NULL) return -1;
-        err = PyDict_SetItemString(tp->tp_dict, "num_free_blocks", descr);
-        Py_DECREF(descr);
-        PyType_Modified(tp);
-        return err;
-    }
-
-    /* An exact int as Py_ssize_t, clamped like kvq_clamped_ssize but without the
-       two generic conversions: a compact value is read in place. */
-    static inline Py_ssize_t kvq_exact_ssize(PyObject *o)
-    {
-        Py_ssize_t v = PyLong_AsSsize_t(o);
-        if (v == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return PyNumber_AsSsize_t(o, NULL);
-        }
-        return v;
-    }
-
-    /* Cython's C method table, which no other module cimports from this
-       final type: hidden so that help() and dir() match the pure twin's. */
-    static int kvq_hide_vtable(PyTypeObject *tp)
-    {
-        if (PyDict_DelItemString(tp->tp_dict, "__pyx_vtable__") < 0) return -1;
-        PyType_Modified(tp);
-        return 0;
-    }
-
-    /* What a subclass of the block class must inherit untouched (_block._LAYOUT):
-       the slots read here by offset, and the attribute access the pure twin uses. */
-    static const char *const kvq_layout_names[] = {
-        "prev_free_block", "next_free_block", "pool",
-        "__getattribute__", "__setattr__", "__delattr__", "__getattr__",
-    };
-    #define KVQ_LAYOUT_N (sizeof(kvq_layout_names) / sizeof(kvq_layout_names[0]))
-    static PyObject *kvq_layout[KVQ_LAYOUT_N];
-
-    static int kvq_init_layout(void)
-    {
-        size_t i;
-        for (i = 0; i < KVQ_LAYOUT_N; i++) {
-            kvq_layout[i] = PyUnicode_InternFromString(kvq_layout_names[i]);
-            if (kvq_layout[i] == NULL) return -1;
-        }
-        return 0;
-    }
-
-    #if defined(__GNUC__)
-    #define KVQ_NOINLINE __attribute__((noinline))
-    #elif defined(_MSC_VER)
-    #define KVQ_NOINLINE __declspec(noinline)
-    #else
-    #define KVQ_NOINLINE
-    #endif
-
-    /* A subclass of tp that keeps its layout. Out of line: kvq_is_block is inlined
-       at every link the queue follows, where the exact type is the rule.
-       _PyType_Lookup runs no Python code and sets no exception. */
-    static KVQ_NOINLINE int kvq_is_subblock(PyTypeObject *sub, PyTypeObject *tp)
-    {
-        size_t i;
-        if (!PyType_IsSubtype(sub, tp)) return 0;
-        for (i = 0; i < KVQ_LAYOUT_N; i++) {
-            if (_PyType_Lookup(sub, kvq_layout[i]) != _PyType_Lookup(tp, kvq_layout[i]))
-                return 0;
-        }
-        return 1;
-    }
-
-    /* An instance of tp, or of a subclass that keeps tp's layout (_block.is_block). */
-    static inline int kvq_is_block(PyObject *o, PyTypeObject *tp)
-    {
-        return Py_TYPE(o) == tp || kvq_is_subblock(Py_TYPE(o), tp);
-    }
-    """
+cdef extern from "_slots.h":
     Py_ssize_t kvq_slot_offset(object d)
     PyObject *kvq_get(PyObject *o, Py_ssize_t off)
     void kvq_set(PyObject *o, Py_ssize_t off, PyObject *v)
@@ -189,10 +40,11 @@ cdef extern from *:
     bint kvq_is_block(PyObject *o, PyTypeObject *tp)
     Py_ssize_t kvq_clamped_ssize(object o) except? -1
     Py_ssize_t kvq_exact_ssize(object o)
-    Py_ssize_t KVQ_COUNT_OFFSET
     int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset) except -1
     int kvq_hide_vtable(PyTypeObject *tp) except -1
     int kvq_init_layout() except -1
+
+cdef extern from "Python.h":
     const Py_ssize_t PY_SSIZE_T_MAX
     int PyObject_GenericSetAttr(object o, object name, PyObject *value) except -1
     void PyObject_GC_Track(object o)
@@ -226,7 +78,7 @@ cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
 
 @cython.final
 @cython.no_gc_clear
-cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueType]:
+cdef class FreeKVCacheBlockQueue:
     """FreeKVCacheBlockQueue(blocks, *, block_type=None, on_misuse=None)
 --
 
@@ -250,11 +102,13 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     # Py_ssize_t, as the pure twin's int may. _set_count keeps the two in step.
     # The previous count's int is kept as a spare: a queue's count mostly swings
     # between two values (alloc, free, alloc, ...), and reusing the int saves an
-    # allocation.
+    # allocation. Both ints are owned references held as C pointers: Cython gives
+    # no offset of an object attribute, and the member needs _num_obj's; an int
+    # cannot be part of a cycle, so the collector need not see them.
     cdef Py_ssize_t _len
-    cdef object _num_obj
+    cdef PyObject *_num_obj
     cdef Py_ssize_t _spare_len
-    cdef object _spare_obj
+    cdef PyObject *_spare_obj
     cdef readonly object fake_free_list_head
     """The head sentinel, before the first free block."""
     cdef readonly object fake_free_list_tail
@@ -336,8 +190,8 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     cdef inline object _count_obj(self, Py_ssize_t new_len):
         """The int for the count at a new length; made before the links change,
         so that storing it (``_set_count``) cannot fail halfway through an update."""
-        if new_len == self._spare_len and self._spare_obj is not None:
-            return self._spare_obj
+        if new_len == self._spare_len and self._spare_obj is not NULL:
+            return <object>self._spare_obj
         if self._offset == 0:
             return new_len
         return self._assigned_count_obj(new_len)
@@ -348,10 +202,17 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         return <object>new_len + <object>self._offset
 
     cdef inline void _set_count(self, Py_ssize_t new_len, object num_obj) noexcept:
+        # The old spare is an int: releasing it runs no Python code.
+        Py_XDECREF(self._spare_obj)
         self._spare_len = self._len
         self._spare_obj = self._num_obj
+        Py_INCREF(num_obj)
         self._len = new_len
-        self._num_obj = num_obj
+        self._num_obj = <PyObject *>num_obj
+
+    def __dealloc__(self):
+        Py_XDECREF(self._spare_obj)
+        Py_XDECREF(self._num_obj)
 
     cdef inline int _check(self) except -1:
         if self._tp is NULL:
@@ -403,8 +264,9 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             self._check()
             count = _core.count(value)  # Python code (__index__): before the state is read
             self._offset = <Py_ssize_t>count - self._len
-            self._spare_obj = None  # an int of the old offset's count
-            self._num_obj = count
+            # The spare is an int of the old offset's count.
+            Py_CLEAR(self._spare_obj)
+            self._set_count(self._len, count)
         else:
             PyObject_GenericSetAttr(self, name, <PyObject *>value)
 
@@ -458,7 +320,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         if first is <PyObject *>self.fake_free_list_tail or first is NONE:
             # vLLM asserts that the count is 0 here before it raises ValueError.
             if self._offset != -self._len:
-                raise _errors.out_of_sync(self._num_obj)
+                raise _errors.out_of_sync(<object>self._num_obj)
             raise _errors.empty()
         block = <object>first
         next_block = <object>self._follow(first, self._next, "popleft()")
@@ -511,7 +373,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         # Walk first, unlink after: a short or broken list raises untouched.
         for i in range(count):
             if curr is NONE or curr is tail:
-                raise _errors.out_of_sync(self._num_obj)
+                raise _errors.out_of_sync(<object>self._num_obj)
             Py_INCREF(<object>curr)
             PyList_SET_ITEM(ret, i, <object>curr)
             curr = self._follow(curr, self._next, "popleft_n()")
@@ -538,8 +400,8 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
 
     cdef int _refuse_takes(self, Py_ssize_t count, object index) except -1:
         if count - self._len > self._offset:
-            raise _errors.too_many(index, self._num_obj)
-        raise _errors.out_of_sync(self._num_obj)
+            raise _errors.too_many(index, <object>self._num_obj)
+        raise _errors.out_of_sync(<object>self._num_obj)
 
     def remove(self, block, /):
         """Take ``block`` out of the middle of the queue. O(1).
@@ -857,12 +719,18 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         if self._tp is NULL:
             return f"<{type(self).__qualname__} num_free_blocks=0 block_type=uninitialized>"
         return (
-            f"<{type(self).__qualname__} num_free_blocks={self._num_obj} "
+            f"<{type(self).__qualname__} num_free_blocks={<object>self._num_obj} "
             f"block_type={self.block_type.__qualname__}>"
         )
 
 
-kvq_expose_count(<PyTypeObject *>FreeKVCacheBlockQueue, KVQ_COUNT_OFFSET)
+cdef Py_ssize_t _count_offset():
+    """Where a queue keeps the int that num_free_blocks reads."""
+    cdef FreeKVCacheBlockQueue probe = FreeKVCacheBlockQueue.__new__(FreeKVCacheBlockQueue)
+    return <char *>&probe._num_obj - <char *><PyObject *>probe
+
+
+kvq_expose_count(<PyTypeObject *>FreeKVCacheBlockQueue, _count_offset())
 kvq_hide_vtable(<PyTypeObject *>FreeKVCacheBlockQueue)
 
 
