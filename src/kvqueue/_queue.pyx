@@ -16,7 +16,51 @@ out into locals and released only when the queue is consistent again; a plain
 store is used only where the old value is None or held elsewhere.
 
 The list's invariants are the pure twin's (see the ``_queue_py`` docstring);
-misuse is refused or repaired by the same rules, in the same order.
+misuse is refused or repaired by the same rules, in the same order. What both
+twins share (argument parsing, which blocks and pools a queue takes, the count
+validator, messages) is in ``_core``; this module imports nothing of the pure one.
+
+Each method here and its pure twin::
+
+    compiled                               pure (_queue_py)
+    __init__ (_core.constructor_arguments)  __init__
+    _build                                 _build
+    popleft, popleft_n, remove, append,    the same names
+      append_n, prepend_n, get_all_free_blocks,
+      iter_blocks_after, __iter__, __len__, __repr__, __reduce_ex__
+    num_free_blocks member, __setattr__,   num_free_blocks property
+      __delattr__
+    _link + _link_failed, _pool_run        _link, _pool_prefix
+    _link_repaired, _screen, _misuse       the same names
+    _unlink_run                            _undo (partial=...)
+    _misused_append, _misused_remove       inline in append, remove
+    _insert_one                            inline in append_n
+    _follow, _read, _unset                 attribute access
+    _count_obj, _set_count                 int arithmetic
+    _takes, _refuse_takes                  inline in popleft_n
+    _BlockIterator                         the generator _iter_after
+
+The deliberate differences, and why:
+
+- Every link followed here is type-checked first (``_follow``): a raw read of
+  whatever a caller assigned would crash; the pure twin's attribute access
+  raises by itself.
+- No Python code runs between a method's reads of the list and its last write
+  (old values are swapped out, the result list allocated first), so a
+  collection's finalizers can call the queue at any point and find it whole.
+  The pure twin can be entered by a collection between any two bytecodes, as
+  vLLM's queue can.
+- The pure twin writes the list inside ``try`` blocks whose handlers undo the
+  call, for exceptions raised asynchronously between its bytecodes; here no
+  bytecode runs inside a call, so none arrive.
+- ``popleft_n`` walks the list before it unlinks (its result list is sized
+  first); the pure twin unlinks as it walks, as vLLM's does, and relinks on
+  failure.
+- The count is the true length plus an offset, and the int Python reads: an
+  assigned count may exceed Py_ssize_t as the pure twin's int may.
+- A bound queue checks its pool in a pass of its own (``_pool_run``), as the
+  pure twin does (``_pool_prefix``), so that the unbound linking loop is
+  unchanged; both stop at the same block.
 """
 
 cimport cython

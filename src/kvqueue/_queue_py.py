@@ -406,7 +406,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         # A bound queue's pool is checked in a pass of its own, which leaves the
         # linking loop as it is for an unbound one: the loop stops where it found
         # the first block of another pool, and that block fails there.
-        run = blocks if self._pool is None else self._pool_run(blocks)
+        run = blocks if self._pool is None else self._pool_prefix(blocks)
         prev: Any = left
         try:
             for block in run:
@@ -442,7 +442,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             return True
         raise _core.misuse(method, kind, block)
 
-    def _pool_run(self, blocks: Sequence[B]) -> Sequence[B]:
+    def _pool_prefix(self, blocks: Sequence[B]) -> Sequence[B]:
         """``blocks`` if all are blocks of the pool, else those before the first that
         is not (the compiled twin's ``_pool_run`` gives that index)."""
         block_type = self._block_type
