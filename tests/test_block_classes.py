@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from helpers import check_queue, snapshot
+from twins import both
 
 from kvqueue import KVCacheBlock
 
@@ -92,13 +93,11 @@ def test_a_later_block_whose_class_overrides_the_layout_is_refused(
     check_queue(queue, blocks, blocks)
 
 
+@pytest.mark.c_extension
 @pytest.mark.parametrize("cls", OVERRIDES, ids=lambda cls: cls.__name__)
 def test_both_twins_refuse_a_subclass_in_the_same_words(cls: type) -> None:
-    import kvqueue._queue as compiled
-    import kvqueue._queue_py as pure
-
     messages = []
-    for mod in (compiled, pure):
+    for mod in both():
         queue = mod.FreeKVCacheBlockQueue([KVCacheBlock(0)])
         with pytest.raises(TypeError) as info:
             queue.append(cls(1))

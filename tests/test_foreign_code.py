@@ -21,7 +21,7 @@ import pytest
 from fuzz_common import well_formed
 from helpers import check_queue, snapshot
 
-from kvqueue import KVCacheBlock, _policy
+from kvqueue import KVCacheBlock
 
 POLICIES = ("raise", "repair")
 
@@ -45,13 +45,6 @@ class RaisingRepr(KVCacheBlock):
 
     def __repr__(self) -> str:
         raise KeyError("repr")
-
-
-@pytest.fixture
-def repair_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(_policy, "_window_start", float("-inf"))
-    caplog.set_level(logging.WARNING, logger="kvqueue")
-    return caplog
 
 
 def _misuses(queue: Any, linked: Any, other: Any) -> list[tuple[str, Any]]:

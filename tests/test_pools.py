@@ -9,10 +9,14 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from fuzz_common import well_formed
+from blocks import BLOCK_CLASSES
+from fuzz_common import detached, well_formed
 from helpers import check_queue, snapshot
 
 from kvqueue import KVCacheBlock
+
+POLICIES = ("raise", "repair")
+NONE_REPAIRED = dict.fromkeys(("duplicate", "linked", "sentinel", "not_linked", "other_pool"), 0)
 
 
 def _pools(mod: ModuleType, policy: str) -> tuple[Any, list[Any], Any, list[Any]]:
@@ -116,3 +120,57 @@ def test_a_batch_fails_at_its_first_bad_block_whatever_the_misuse(
     with pytest.raises(ValueError, match=kind):
         queue_b.append_n([fresh, *(bad[name] for name in order)])
     assert snapshot(queue_b, [*blocks_a, *blocks_b]) == before
+
+
+@pytest.mark.parametrize("block_cls", BLOCK_CLASSES, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_block_of_another_pool_is_refused_by_remove(
+    queue_mod: ModuleType, block_cls: type[Any], policy: str
+) -> None:
+    pool_a, pool_b = object(), object()
+    mine = [block_cls(i, pool=pool_a) for i in range(4)]
+    theirs = [block_cls(10 + i, pool=pool_b) for i in range(4)]
+    queue_a = queue_mod.FreeKVCacheBlockQueue(mine, on_misuse=policy)
+    queue_b = queue_mod.FreeKVCacheBlockQueue(theirs, on_misuse=policy)
+    before = snapshot(queue_a, mine), snapshot(queue_b, theirs)
+    if policy == "raise":
+        with pytest.raises(ValueError, match="another pool"):
+            queue_b.remove(mine[1])
+        assert queue_b.repairs == NONE_REPAIRED
+    else:
+        assert queue_b.remove(mine[1]) is None
+        assert queue_b.repairs == {**NONE_REPAIRED, "other_pool": 1}
+    assert (snapshot(queue_a, mine), snapshot(queue_b, theirs)) == before
+    check_queue(queue_a, mine, mine)
+    check_queue(queue_b, theirs, theirs)
+    queue_a.remove(mine[1])  # its own queue still takes it out
+    check_queue(queue_a, [mine[0], *mine[2:]], mine)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_block_of_another_queue_without_a_pool_goes_undetected(
+    queue_mod: ModuleType, policy: str
+) -> None:
+    """Documented: blocks with pool=None cannot be told apart, so remove()
+    takes the block out of the other queue and both counts go wrong. If this
+    test fails, the limitation changed: update the README with it."""
+    mine = [KVCacheBlock(i) for i in range(4)]
+    theirs = [KVCacheBlock(10 + i) for i in range(4)]
+    queue_a = queue_mod.FreeKVCacheBlockQueue(mine, on_misuse=policy)
+    queue_b = queue_mod.FreeKVCacheBlockQueue(theirs, on_misuse=policy)
+    queue_b.remove(mine[1])
+    assert detached([mine[1]])
+    assert (queue_a.num_free_blocks, list(queue_a)) == (4, [mine[0], mine[2], mine[3]])
+    assert (queue_b.num_free_blocks, list(queue_b)) == (3, theirs)
+    assert queue_a.repairs == queue_b.repairs == NONE_REPAIRED
+
+
+def test_a_queue_of_mixed_pools_is_bound_to_none(queue_mod: ModuleType) -> None:
+    pools = [object(), object()]
+    blocks = [KVCacheBlock(i, pool=pools[i % 2]) for i in range(4)]
+    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+    stranger = KVCacheBlock(9, pool=object())
+    queue.append(stranger)
+    queue.remove(stranger)
+    check_queue(queue, blocks, [*blocks, stranger])
+    assert queue.repairs == NONE_REPAIRED

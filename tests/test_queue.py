@@ -6,13 +6,16 @@ import gc
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from types import ModuleType
 from typing import Any
 
 import pytest
 from blocks import BLOCK_CLASSES, SubBlock
-from helpers import check_queue
+from fuzz_common import outcome
+from helpers import check_queue, snapshot
+from twins import both
 
 from kvqueue import KVCacheBlock
 
@@ -352,3 +355,69 @@ def test_popleft_n_beyond_the_true_length_fails_at_once(queue_mod: ModuleType, c
     assert queue.num_free_blocks == count
     queue.num_free_blocks = 3
     check_queue(queue, blocks, blocks)
+
+
+# -- num_free_blocks assignment -----------------------------------------------------
+
+
+def _assigned_count_story(mod: ModuleType) -> list[object]:
+    """What a queue reports after ``num_free_blocks`` is assigned and then moved by every call."""
+    queue, blocks = make(mod, KVCacheBlock, 6)
+    seen: list[object] = []
+
+    def note(call: Callable[[], object]) -> None:
+        seen.append((outcome(call), queue.num_free_blocks, len(queue)))
+
+    note(lambda: setattr(queue, "num_free_blocks", 100))
+    note(queue.popleft)
+    note(lambda: queue.popleft_n(2))
+    note(lambda: queue.append(blocks[0]))
+    note(lambda: queue.append_n(blocks[1:3]))
+    note(lambda: queue.remove(blocks[5]))
+    note(lambda: queue.prepend_n([blocks[5]]))
+    note(lambda: queue.popleft_n(0))
+    note(lambda: queue.popleft_n(7))  # beyond the 6 real blocks
+    note(queue.get_all_free_blocks)
+    for value in (0, -3, 2**70, True, 3, "3", 1.5, None, [1]):
+        note(partial(setattr, queue, "num_free_blocks", value))
+    note(lambda: delattr(queue, "num_free_blocks"))
+    note(lambda: queue.popleft_n(6))
+    note(queue.popleft)
+    note(lambda: queue.append_n(blocks))
+    return seen
+
+
+def test_num_free_blocks_can_be_assigned_and_later_calls_move_it(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 6)
+    queue.num_free_blocks = 100
+    assert queue.num_free_blocks == 100
+    popped = queue.popleft()
+    assert queue.num_free_blocks == 99
+    popped_n = queue.popleft_n(2)
+    assert queue.num_free_blocks == 97
+    queue.append_n([*popped_n, popped])
+    assert queue.num_free_blocks == 100
+    queue.remove(blocks[4])
+    assert queue.num_free_blocks == 99
+    queue.prepend_n([blocks[4]])
+    assert queue.num_free_blocks == 100
+    # The queue's own checks still know the 6 real blocks.
+    assert queue.get_all_free_blocks() == [blocks[4], blocks[3], blocks[5], *blocks[1:3], blocks[0]]
+    before = snapshot(queue, blocks)
+    with pytest.raises(AssertionError):
+        queue.popleft_n(7)
+    assert snapshot(queue, blocks) == before
+
+
+@pytest.mark.parametrize("bad", ["3", 1.5, None, [1]], ids=repr)
+def test_num_free_blocks_refuses_a_non_integer(queue_mod: ModuleType, bad: object) -> None:
+    queue, _ = make(queue_mod, KVCacheBlock, 3)
+    with pytest.raises(TypeError):
+        queue.num_free_blocks = bad
+    assert queue.num_free_blocks == 3
+
+
+@pytest.mark.c_extension
+def test_both_twins_treat_an_assigned_count_the_same() -> None:
+    compiled, pure = both()
+    assert _assigned_count_story(compiled) == _assigned_count_story(pure)

@@ -5,6 +5,10 @@ test_hostile.py in its own process (a crash must fail one test, not the run).
 
 from __future__ import annotations
 
+import support_path  # noqa: F401  (this program runs as a script)
+
+# isort: split
+
 import gc
 import importlib
 from contextlib import suppress
