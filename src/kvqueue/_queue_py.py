@@ -275,9 +275,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         not linked, ValueError for a block of another pool; under
         ``"repair"`` the last two are no-ops.
         """
-        block_type = self._block_type
-        if type(block) is not block_type and not is_block(block, block_type):
-            raise _core.not_a_block(block, block_type, "remove()")
+        if type(block) is not self._block_type and not is_block(block, self._block_type):
+            raise _core.not_a_block(block, self._block_type, "remove()")
         if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
             # A sentinel's pool is None, but removing one is the unbound queue's error.
             kind = "not_linked" if block is self._head or block is self._tail else "other_pool"
@@ -307,9 +306,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         last_block = tail.prev_free_block
         if last_block is None:
             raise RuntimeError(_errors.TAIL_LOST)
-        block_type = self._block_type
-        if type(block) is not block_type and not is_block(block, block_type):
-            raise _core.not_a_block(block, block_type, "append()")
+        if type(block) is not self._block_type and not is_block(block, self._block_type):
+            raise _core.not_a_block(block, self._block_type, "append()")
         if block.prev_free_block is not None or block.next_free_block is not None:
             kind = "sentinel" if block is self._head or block is tail else "linked"
             return self._misuse("append", block, kind)
