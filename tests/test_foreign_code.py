@@ -13,31 +13,17 @@ import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import pytest
+from blocks import VllmStyleBlock
 from fuzz_common import well_formed
 from helpers import check_queue, snapshot
 
 from kvqueue import KVCacheBlock
 
 POLICIES = ("raise", "repair")
-
-
-@dataclass(slots=True, eq=False)
-class WalkingBlock:
-    """vLLM's block with its dataclass ``__repr__``, which walks the links."""
-
-    block_id: int
-    ref_cnt: int = 0
-    pool: Any = field(default=None, kw_only=True)
-    _block_hash: Any = None
-    _block_hash_num_tokens: int | None = None
-    prev_free_block: WalkingBlock | None = None
-    next_free_block: WalkingBlock | None = None
-    is_null: bool = False
 
 
 class RaisingRepr(KVCacheBlock):
@@ -61,21 +47,21 @@ def test_a_long_walking_repr_is_never_called(
     queue_mod: ModuleType, policy: str, repair_log: pytest.LogCaptureFixture
 ) -> None:
     pool, other_pool = object(), object()
-    blocks = [WalkingBlock(i, pool=pool) for i in range(5_000)]
+    blocks = [VllmStyleBlock(i, pool=pool) for i in range(5_000)]
     queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse=policy)
-    other = WalkingBlock(-7, pool=other_pool)
+    other = VllmStyleBlock(-7, pool=other_pool)
     for method, call in _misuses(queue, blocks[2_500], other):
         before = snapshot(queue, blocks)
         if policy == "raise":
             with pytest.raises((ValueError, RuntimeError)) as info:
                 call()
-            assert str(info.value).endswith(("WalkingBlock(block_id=2500)", "(block_id=-7)"))
+            assert str(info.value).endswith(("VllmStyleBlock(block_id=2500)", "(block_id=-7)"))
         else:
             call()
         assert snapshot(queue, blocks) == before, method
     if policy == "repair":
         assert sum(queue.repairs.values()) == 5
-        assert all("WalkingBlock(block_id=" in r.getMessage() for r in repair_log.records)
+        assert all("VllmStyleBlock(block_id=" in r.getMessage() for r in repair_log.records)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
