@@ -399,6 +399,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
         blocks linked; ``screened`` marks that second pass, which returns
         False, with nothing linked, if one of them was linked meanwhile.
         """
+        if screened and (left.next_free_block is not right or right.prev_free_block is not left):
+            # A finalizer moved the ends since the repair read them (on 3.10 the
+            # call itself allocates a frame, which can start a collection).
+            return False
         block_type = self._block_type
         num = self._num_free_blocks
         # A bound queue's pool is checked in a pass of its own, which leaves the
