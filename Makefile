@@ -30,8 +30,8 @@ PY := $(VENV)/bin/python
 LINT_PY := $(LINT_VENV)/bin/python
 BENCH_PY := $(BENCH_VENV)/bin/python
 PIP := -m pip install -q
-# What an install is built from. Not the _queue.c / _queue.h that every build
-# writes into src/: with them, each install would make the next one stale.
+# What an install is built from. Not the C that every build writes into src/
+# (_queue.c, _screen.c): with it, each install would make the next one stale.
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
@@ -100,4 +100,4 @@ py314:
 	bash .ci/py314.sh
 
 clean:
-	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_queue.h src/kvqueue/_screen.c
+	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_screen.c

@@ -6,7 +6,7 @@ the pure twin only and is tagged ``py3-none-any`` (not this interpreter's
 platform, which it does not need), and ``import kvqueue`` uses the pure twin.
 """
 
-import os
+import importlib.util
 import platform
 import sys
 
@@ -17,9 +17,12 @@ from setuptools.errors import BaseError, CCompilerError
 
 
 def _pure_build() -> bool:
-    return os.environ.get("KVQUEUE_PURE", "") not in ("", "0") or (
-        platform.python_implementation() != "CPython"
-    )
+    # kvqueue's own parser, loaded by path: the package is not importable yet.
+    spec = importlib.util.spec_from_file_location("_kvqueue_env", "src/kvqueue/_env.py")
+    assert spec is not None and spec.loader is not None
+    env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(env)
+    return env.flag(env.PURE) or platform.python_implementation() != "CPython"
 
 
 class build_ext_or_pure(build_ext):
@@ -75,7 +78,9 @@ else:
     setup(
         ext_modules=cythonize(
             [
-                Extension("kvqueue._queue", ["src/kvqueue/_queue.pyx"]),
+                Extension(
+                    "kvqueue._queue", ["src/kvqueue/_queue.pyx"], depends=["src/kvqueue/_slots.h"]
+                ),
                 Extension(
                     "kvqueue._screen",
                     ["src/kvqueue/_screen.pyx"],

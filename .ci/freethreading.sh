@@ -47,7 +47,7 @@ cd tests
 "$py" -c 'import sys; print(sys.version); assert not sys._is_gil_enabled()'
 run() {  # $1: label; the rest: environment assignments for the runs
     for seed in 0 1 2; do
-        for program in fuzz_threads.py fuzz_race.py; do
+        for program in isolated/fuzz_threads.py isolated/fuzz_race.py; do
             if env "${@:2}" "$py" -W ignore::RuntimeWarning "$program" c "$seed" "$ops" \
                 >"$root/out" 2>&1; then
                 echo "$1, $program seed $seed: survived $(tail -n 1 "$root/out")"

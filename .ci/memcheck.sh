@@ -51,10 +51,10 @@ section() { printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 # The fuzz programs as the suite runs them, fewer operations under valgrind.
 fuzz_runs() {  # $1: operations per program
     for twin in c py; do
-        echo "fuzz_chaos.py $twin 0 $1"
-        echo "fuzz_reentrant.py $twin 0 $1"
+        echo "isolated/fuzz_chaos.py $twin 0 $1"
+        echo "isolated/fuzz_reentrant.py $twin 0 $1"
     done
-    echo "fuzz_diff.py c 0 $1"
+    echo "isolated/fuzz_diff.py c 0 $1"
 }
 
 section "AddressSanitizer build"

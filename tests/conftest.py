@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
+import logging
 from types import ModuleType
+from typing import Any
 
 import pytest
+from twins import TWINS, twin
+
+from kvqueue import _policy
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -20,14 +24,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(
     scope="session",
     params=[
-        pytest.param("kvqueue._queue", id="c", marks=pytest.mark.c_extension),
-        pytest.param("kvqueue._queue_py", id="py"),
+        pytest.param(key, id=key, marks=[pytest.mark.c_extension] if key == "c" else [])
+        for key in TWINS
     ],
 )
 def queue_mod(request: pytest.FixtureRequest) -> ModuleType:
-    """The twin under test. The compiled one is imported by name, never through
-    the shim, so that a missing build fails loudly instead of testing pure twice."""
-    return importlib.import_module(request.param)
+    """The twin under test."""
+    return twin(request.param)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,3 +43,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "c_extension: needs the compiled twin")
+
+
+@pytest.fixture
+def repair_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The test's records, with the per-process rate limit's window just
+    reopened: earlier tests of the process may have spent its budget."""
+    monkeypatch.setattr(_policy, "_window_start", float("-inf"))
+    caplog.set_level(logging.WARNING, logger="kvqueue")
+    return caplog

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
+ISOLATED = Path(__file__).parent / "isolated"
 LONG = os.environ.get("KVQUEUE_FUZZ_LONG", "") not in ("", "0")
 FIRST_SEED = int(os.environ.get("KVQUEUE_FUZZ_SEED", "0"))
 SEEDS = range(FIRST_SEED, FIRST_SEED + (25 if LONG else 3))
@@ -44,7 +44,7 @@ CASES = [
 
 def run_program(program: str, twin: str, seed: int, ops: int) -> dict[str, int]:
     """Run one fuzz program in a fresh ``python -X dev -W error``; its counters."""
-    command = [sys.executable, "-X", "dev", "-W", "error", str(HERE / f"{program}.py")]
+    command = [sys.executable, "-X", "dev", "-W", "error", str(ISOLATED / f"{program}.py")]
     try:
         done = subprocess.run(
             [*command, twin, str(seed), str(ops)],

@@ -5,26 +5,23 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hostile_cases import CASES, COMPILED_ONLY
 
-HERE = Path(__file__).parent
-TWINS = [
-    pytest.param("kvqueue._queue", id="c", marks=pytest.mark.c_extension),
-    pytest.param("kvqueue._queue_py", id="py"),
-]
+ISOLATED = Path(__file__).parent / "isolated"
 
 
-@pytest.mark.parametrize("twin", TWINS)
 @pytest.mark.parametrize("case", CASES)
-def test_hostile_case(case: str, twin: str) -> None:
+def test_hostile_case(case: str, queue_mod: ModuleType) -> None:
+    twin = queue_mod.__name__
     if case in COMPILED_ONLY and twin.endswith("_py"):
         pytest.skip("the pure twin is not atomic under re-entrant collection")
     code = f"import hostile_cases; hostile_cases.{case}({twin!r})"
     done = subprocess.run(
         [sys.executable, "-X", "dev", "-W", "error", "-c", code],
-        cwd=HERE,
+        cwd=ISOLATED,
         capture_output=True,
         text=True,
         timeout=120,

@@ -51,7 +51,9 @@ def test_says_which_twin_and_why() -> None:
 
 def test_a_bad_policy_is_a_problem() -> None:
     result = report(KVQUEUE_ON_MISUSE="fix")
-    assert result["problems"] == ["KVQUEUE_ON_MISUSE must be 'raise' or 'repair', not 'fix'"]
+    assert result["problems"] == [
+        "KVQUEUE_ON_MISUSE must be one of 'raise', 'repair' (or unset), not 'fix'"
+    ]
 
 
 def test_asking_for_vllm_without_it_is_a_problem() -> None:
@@ -59,3 +61,10 @@ def test_asking_for_vllm_without_it_is_a_problem() -> None:
     if result["vllm"]["installed"]:
         pytest.skip("vLLM is installed here (vllm_tests/ covers that case)")
     assert result["problems"] == ["KVQUEUE_VLLM=1 but vLLM is not installed"]
+
+
+def test_every_variable_is_explained() -> None:
+    from kvqueue import _env
+    from kvqueue.__main__ import MEANINGS
+
+    assert tuple(MEANINGS) == _env.USER

@@ -7,37 +7,24 @@ policies; each case's data says what ``"repair"`` yields.
 
 from __future__ import annotations
 
-import copy
 import gc
-import importlib
 import logging
-import pickle
 from collections.abc import Callable, Iterable
-from functools import partial
 from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import BLOCK_CLASSES
-from fuzz_common import detached, outcome, well_formed
+from fuzz_common import detached, well_formed
 from helpers import check_queue, snapshot
 from invalid_ops import CASES, Repair, with_policy
+from twins import both, twin
 
-from kvqueue import KVCacheBlock, _policy
+from kvqueue import KVCacheBlock
 
 ENV = "KVQUEUE_ON_MISUSE"
 POLICIES = ("raise", "repair")
 KINDS = ("duplicate", "linked", "sentinel", "not_linked", "other_pool")
 NONE_REPAIRED = dict.fromkeys(KINDS, 0)
-
-
-@pytest.fixture
-def repair_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The test's records, with the per-process rate limit's window just
-    reopened: earlier tests of the process may have spent its budget."""
-    monkeypatch.setattr(_policy, "_window_start", float("-inf"))
-    caplog.set_level(logging.WARNING, logger="kvqueue")
-    return caplog
 
 
 def _records(log: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -55,10 +42,6 @@ def _links(blocks: Iterable[Any]) -> dict[int, tuple[int, int]]:
 def _build(mod: ModuleType, n: int, **kwargs: Any) -> tuple[Any, list[Any]]:
     blocks = [KVCacheBlock(i) for i in range(n)]
     return mod.FreeKVCacheBlockQueue(blocks, **kwargs), blocks
-
-
-def _both_twins() -> list[ModuleType]:
-    return [importlib.import_module(name) for name in ("kvqueue._queue", "kvqueue._queue_py")]
 
 
 # -- the invalid-operation table under both policies ------------------------------
@@ -234,7 +217,7 @@ def test_both_twins_refuse_a_policy_with_the_same_message(monkeypatch: pytest.Mo
             messages.append(str(info.value))
         return messages
 
-    compiled, pure = _both_twins()
+    compiled, pure = both()
     assert refusals(compiled) == refusals(pure)
 
 
@@ -368,167 +351,6 @@ def test_a_hot_loop_of_repairs_is_logged_a_bounded_number_of_times(
     assert 1 <= len(_records(repair_log)) <= 100
 
 
-# -- remove() of a block of another queue ---------------------------------------------
-
-
-@pytest.mark.parametrize("block_cls", BLOCK_CLASSES, ids=lambda cls: cls.__name__)
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_block_of_another_pool_is_refused_by_remove(
-    queue_mod: ModuleType, block_cls: type[Any], policy: str
-) -> None:
-    pool_a, pool_b = object(), object()
-    mine = [block_cls(i, pool=pool_a) for i in range(4)]
-    theirs = [block_cls(10 + i, pool=pool_b) for i in range(4)]
-    queue_a = queue_mod.FreeKVCacheBlockQueue(mine, on_misuse=policy)
-    queue_b = queue_mod.FreeKVCacheBlockQueue(theirs, on_misuse=policy)
-    before = snapshot(queue_a, mine), snapshot(queue_b, theirs)
-    if policy == "raise":
-        with pytest.raises(ValueError, match="another pool"):
-            queue_b.remove(mine[1])
-        assert queue_b.repairs == NONE_REPAIRED
-    else:
-        assert queue_b.remove(mine[1]) is None
-        assert queue_b.repairs == {**NONE_REPAIRED, "other_pool": 1}
-    assert (snapshot(queue_a, mine), snapshot(queue_b, theirs)) == before
-    check_queue(queue_a, mine, mine)
-    check_queue(queue_b, theirs, theirs)
-    queue_a.remove(mine[1])  # its own queue still takes it out
-    check_queue(queue_a, [mine[0], *mine[2:]], mine)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_block_of_another_queue_without_a_pool_goes_undetected(
-    queue_mod: ModuleType, policy: str
-) -> None:
-    """Documented: blocks with pool=None cannot be told apart, so remove()
-    takes the block out of the other queue and both counts go wrong. If this
-    test fails, the limitation changed: update the README with it."""
-    queue_a, mine = _build(queue_mod, 4, on_misuse=policy)
-    queue_b, theirs = _build(queue_mod, 4, on_misuse=policy)
-    queue_b.remove(mine[1])
-    assert detached([mine[1]])
-    assert (queue_a.num_free_blocks, list(queue_a)) == (4, [mine[0], mine[2], mine[3]])
-    assert (queue_b.num_free_blocks, list(queue_b)) == (3, theirs)
-    assert queue_a.repairs == queue_b.repairs == NONE_REPAIRED
-
-
-def test_a_queue_of_mixed_pools_is_bound_to_none(queue_mod: ModuleType) -> None:
-    pools = [object(), object()]
-    blocks = [KVCacheBlock(i, pool=pools[i % 2]) for i in range(4)]
-    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
-    stranger = KVCacheBlock(9, pool=object())
-    queue.append(stranger)
-    queue.remove(stranger)
-    check_queue(queue, blocks, [*blocks, stranger])
-    assert queue.repairs == NONE_REPAIRED
-
-
-# -- num_free_blocks assignment -----------------------------------------------------
-
-
-def _assigned_count_story(mod: ModuleType) -> list[object]:
-    """What a queue reports after ``num_free_blocks`` is assigned and then moved by every call."""
-    queue, blocks = _build(mod, 6)
-    seen: list[object] = []
-
-    def note(call: Callable[[], object]) -> None:
-        seen.append((outcome(call), queue.num_free_blocks, len(queue)))
-
-    note(lambda: setattr(queue, "num_free_blocks", 100))
-    note(queue.popleft)
-    note(lambda: queue.popleft_n(2))
-    note(lambda: queue.append(blocks[0]))
-    note(lambda: queue.append_n(blocks[1:3]))
-    note(lambda: queue.remove(blocks[5]))
-    note(lambda: queue.prepend_n([blocks[5]]))
-    note(lambda: queue.popleft_n(0))
-    note(lambda: queue.popleft_n(7))  # beyond the 6 real blocks
-    note(queue.get_all_free_blocks)
-    for value in (0, -3, 2**70, True, 3, "3", 1.5, None, [1]):
-        note(partial(setattr, queue, "num_free_blocks", value))
-    note(lambda: delattr(queue, "num_free_blocks"))
-    note(lambda: queue.popleft_n(6))
-    note(queue.popleft)
-    note(lambda: queue.append_n(blocks))
-    return seen
-
-
-def test_num_free_blocks_can_be_assigned_and_later_calls_move_it(queue_mod: ModuleType) -> None:
-    queue, blocks = _build(queue_mod, 6)
-    queue.num_free_blocks = 100
-    assert queue.num_free_blocks == 100
-    popped = queue.popleft()
-    assert queue.num_free_blocks == 99
-    popped_n = queue.popleft_n(2)
-    assert queue.num_free_blocks == 97
-    queue.append_n([*popped_n, popped])
-    assert queue.num_free_blocks == 100
-    queue.remove(blocks[4])
-    assert queue.num_free_blocks == 99
-    queue.prepend_n([blocks[4]])
-    assert queue.num_free_blocks == 100
-    # The queue's own checks still know the 6 real blocks.
-    assert queue.get_all_free_blocks() == [blocks[4], blocks[3], blocks[5], *blocks[1:3], blocks[0]]
-    before = snapshot(queue, blocks)
-    with pytest.raises(AssertionError):
-        queue.popleft_n(7)
-    assert snapshot(queue, blocks) == before
-
-
-@pytest.mark.parametrize("bad", ["3", 1.5, None, [1]], ids=repr)
-def test_num_free_blocks_refuses_a_non_integer(queue_mod: ModuleType, bad: object) -> None:
-    queue, _ = _build(queue_mod, 3)
-    with pytest.raises(TypeError):
-        queue.num_free_blocks = bad
-    assert queue.num_free_blocks == 3
-
-
-@pytest.mark.c_extension
-def test_both_twins_treat_an_assigned_count_the_same() -> None:
-    compiled, pure = _both_twins()
-    assert _assigned_count_story(compiled) == _assigned_count_story(pure)
-
-
-# -- copies -------------------------------------------------------------------------
-
-
-COPIERS: dict[str, Callable[[Any], object]] = {
-    "copy": copy.copy,
-    "deepcopy": copy.deepcopy,
-    "pickle": pickle.dumps,
-    "pickle-0": lambda obj: pickle.dumps(obj, protocol=0),
-}
-
-
-@pytest.mark.parametrize("copier", list(COPIERS))
-def test_a_queue_cannot_be_copied_or_pickled(queue_mod: ModuleType, copier: str) -> None:
-    queue, blocks = _build(queue_mod, 3, on_misuse="repair")
-    before = snapshot(queue, blocks)
-    with pytest.raises(TypeError):
-        COPIERS[copier](queue)
-    assert snapshot(queue, blocks) == before
-
-
-@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
-def test_a_copied_block_comes_back_detached(queue_mod: ModuleType, how: str) -> None:
-    queue, blocks = _build(queue_mod, 3)
-    block = blocks[1]
-    block.ref_cnt = 2
-    block.set_block_hash(b"hash", 16)
-    block.pool = "the pool"
-    block.is_null = True
-    before = snapshot(queue, blocks)
-    twin = pickle.loads(pickle.dumps(block)) if how == "pickle" else getattr(copy, how)(block)
-    assert type(twin) is KVCacheBlock
-    assert twin is not block
-    fields = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "pool", "is_null")
-    assert [getattr(twin, f) for f in fields] == [getattr(block, f) for f in fields]
-    assert detached([twin])
-    assert snapshot(queue, blocks) == before
-    queue.append(twin)  # a detached block: the queue takes it
-    check_queue(queue, [*blocks, twin], [*blocks, twin])
-
-
 # -- a collection inside a repair ---------------------------------------------------
 
 
@@ -556,7 +378,7 @@ def test_a_collection_inside_a_repaired_batch_keeps_the_compiled_queue_whole(
     hostile_cases.py); a repair allocates (its screening copy of the batch)
     before it links, so the collector can run a finalizer there that moves the
     ends of the list. 3.11 collects at the allocation itself."""
-    mod = importlib.import_module("kvqueue._queue")
+    mod = twin("c")
     blocks = [KVCacheBlock(i) for i in range(40)]
     queue = mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
     call = getattr(queue, method)  # a bound method is an allocation: made first
@@ -583,7 +405,7 @@ def test_a_collection_inside_a_repaired_batch_keeps_the_compiled_queue_whole(
 @pytest.mark.c_extension
 def test_both_twins_log_a_repair_in_the_same_words(repair_log: pytest.LogCaptureFixture) -> None:
     for kind in KINDS:
-        for mod in _both_twins():
+        for mod in both():
             _misuse_of_kind(mod, kind)[3]()
     messages = [r.getMessage() for r in _records(repair_log)]
     assert len(messages) == 2 * len(KINDS)

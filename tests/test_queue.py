@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import gc
+import sys
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from types import ModuleType
 from typing import Any
 
 import pytest
 from blocks import BLOCK_CLASSES, SubBlock
-from helpers import check_queue
+from fuzz_common import outcome
+from helpers import check_queue, snapshot
+from twins import both
 
 from kvqueue import KVCacheBlock
 
@@ -230,7 +235,26 @@ def test_assigned_count_moves_with_the_queue(queue_mod: ModuleType) -> None:
     queue.num_free_blocks = 4
     check_queue(queue, blocks[1:] + blocks[:1], blocks)
     queue.popleft_n(4)
-    queue.num_free_blocks = 2
+    queue.num_free_blocks = 0
+    with pytest.raises(ValueError, match="No free blocks available"):
+        queue.popleft()
+
+
+@pytest.mark.parametrize("count", [2, 5])
+def test_an_empty_list_with_a_count_is_out_of_sync_for_both_pops(
+    queue_mod: ModuleType, count: int
+) -> None:
+    # vLLM's popleft() asserts num_free_blocks == 0 before its ValueError, and
+    # its popleft_n() asserts on the list: the same AssertionError from both.
+    queue = queue_mod.FreeKVCacheBlockQueue([])
+    queue.num_free_blocks = count
+    message = rf"^num_free_blocks \({count}\) is out of sync with the free list\.$"
+    with pytest.raises(AssertionError, match=message):
+        queue.popleft()
+    with pytest.raises(AssertionError, match=message):
+        queue.popleft_n(1)
+    assert queue.num_free_blocks == count
+    queue.num_free_blocks = 0
     with pytest.raises(ValueError, match="No free blocks available"):
         queue.popleft()
 
@@ -299,6 +323,101 @@ def test_a_queue_cannot_be_initialized_twice(queue_mod: ModuleType) -> None:
     queue, blocks = make(queue_mod, KVCacheBlock, 3)
     with pytest.raises(RuntimeError, match="the queue is already initialized"):
         queue.__init__([KVCacheBlock(9)])
-    with pytest.raises(RuntimeError, match="the queue is already initialized"):
-        queue._build([KVCacheBlock(9)], None, None)
     check_queue(queue, blocks, blocks)
+
+
+def test_an_assigned_count_moves_past_sys_maxsize_without_wrapping(queue_mod: ModuleType) -> None:
+    queue, _ = make(queue_mod, KVCacheBlock, 4)
+    queue.num_free_blocks = sys.maxsize
+    queue.append(queue.popleft())
+    queue.append_n(queue.popleft_n(2))
+    assert queue.num_free_blocks == sys.maxsize
+    extra = KVCacheBlock(9)
+    queue.append(extra)
+    assert queue.num_free_blocks == sys.maxsize + 1
+    with pytest.raises(OverflowError, match="cannot fit 'int' into an index-sized integer"):
+        len(queue)
+    assert [b.block_id for b in queue.popleft_n(3)] == [3, 0, 1]
+    assert queue.num_free_blocks == sys.maxsize - 2
+    assert repr(queue).startswith(f"<FreeKVCacheBlockQueue num_free_blocks={sys.maxsize - 2} ")
+    assert len(queue.get_all_free_blocks()) == 2
+
+
+@pytest.mark.parametrize("count", [10**9, 10**10, sys.maxsize])
+def test_popleft_n_beyond_the_true_length_fails_at_once(queue_mod: ModuleType, count: int) -> None:
+    # Sized from the list, never from an assigned count: no stall, no MemoryError.
+    queue, blocks = make(queue_mod, KVCacheBlock, 3)
+    queue.num_free_blocks = count
+    started = time.perf_counter()
+    with pytest.raises(AssertionError, match=rf"^num_free_blocks \({count}\) is out of sync"):
+        queue.popleft_n(count)
+    assert time.perf_counter() - started < 0.5
+    assert queue.num_free_blocks == count
+    queue.num_free_blocks = 3
+    check_queue(queue, blocks, blocks)
+
+
+# -- num_free_blocks assignment -----------------------------------------------------
+
+
+def _assigned_count_story(mod: ModuleType) -> list[object]:
+    """What a queue reports after ``num_free_blocks`` is assigned and then moved by every call."""
+    queue, blocks = make(mod, KVCacheBlock, 6)
+    seen: list[object] = []
+
+    def note(call: Callable[[], object]) -> None:
+        seen.append((outcome(call), queue.num_free_blocks, len(queue)))
+
+    note(lambda: setattr(queue, "num_free_blocks", 100))
+    note(queue.popleft)
+    note(lambda: queue.popleft_n(2))
+    note(lambda: queue.append(blocks[0]))
+    note(lambda: queue.append_n(blocks[1:3]))
+    note(lambda: queue.remove(blocks[5]))
+    note(lambda: queue.prepend_n([blocks[5]]))
+    note(lambda: queue.popleft_n(0))
+    note(lambda: queue.popleft_n(7))  # beyond the 6 real blocks
+    note(queue.get_all_free_blocks)
+    for value in (0, -3, 2**70, True, 3, "3", 1.5, None, [1]):
+        note(partial(setattr, queue, "num_free_blocks", value))
+    note(lambda: delattr(queue, "num_free_blocks"))
+    note(lambda: queue.popleft_n(6))
+    note(queue.popleft)
+    note(lambda: queue.append_n(blocks))
+    return seen
+
+
+def test_num_free_blocks_can_be_assigned_and_later_calls_move_it(queue_mod: ModuleType) -> None:
+    queue, blocks = make(queue_mod, KVCacheBlock, 6)
+    queue.num_free_blocks = 100
+    assert queue.num_free_blocks == 100
+    popped = queue.popleft()
+    assert queue.num_free_blocks == 99
+    popped_n = queue.popleft_n(2)
+    assert queue.num_free_blocks == 97
+    queue.append_n([*popped_n, popped])
+    assert queue.num_free_blocks == 100
+    queue.remove(blocks[4])
+    assert queue.num_free_blocks == 99
+    queue.prepend_n([blocks[4]])
+    assert queue.num_free_blocks == 100
+    # The queue's own checks still know the 6 real blocks.
+    assert queue.get_all_free_blocks() == [blocks[4], blocks[3], blocks[5], *blocks[1:3], blocks[0]]
+    before = snapshot(queue, blocks)
+    with pytest.raises(AssertionError):
+        queue.popleft_n(7)
+    assert snapshot(queue, blocks) == before
+
+
+@pytest.mark.parametrize("bad", ["3", 1.5, None, [1]], ids=repr)
+def test_num_free_blocks_refuses_a_non_integer(queue_mod: ModuleType, bad: object) -> None:
+    queue, _ = make(queue_mod, KVCacheBlock, 3)
+    with pytest.raises(TypeError):
+        queue.num_free_blocks = bad
+    assert queue.num_free_blocks == 3
+
+
+@pytest.mark.c_extension
+def test_both_twins_treat_an_assigned_count_the_same() -> None:
+    compiled, pure = both()
+    assert _assigned_count_story(compiled) == _assigned_count_story(pure)

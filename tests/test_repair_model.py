@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from helpers import check_queue
-from test_model import Model
+from model import Model
 
 from kvqueue import KVCacheBlock
 

@@ -16,8 +16,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import twins as support
+from helpers import check_queue, snapshot
 
-import kvqueue._queue_py as pure_mod
 from kvqueue import KVCacheBlock
 
 # The tests that compare the two twins side by side need the compiled one.
@@ -26,8 +27,7 @@ both = pytest.mark.c_extension
 
 @pytest.fixture(scope="module")
 def twins() -> tuple[type, type]:
-    import kvqueue._queue as compiled_mod
-
+    compiled_mod, pure_mod = support.both()
     return compiled_mod.FreeKVCacheBlockQueue, pure_mod.FreeKVCacheBlockQueue
 
 
@@ -94,52 +94,53 @@ def test_subscription_gives_a_usable_alias(queue_mod: ModuleType) -> None:
     assert len(queue) == 1
 
 
-def _pickler(protocol: int) -> Callable[[Any], Any]:
-    return lambda obj: pickle.dumps(obj, protocol)
+def _round_trip(protocol: int) -> Callable[[Any], Any]:
+    return lambda obj: pickle.loads(pickle.dumps(obj, protocol))
 
 
-COPIERS: dict[str, Callable[[Any], Any]] = {
+# The one table of copies: a queue refuses each, a block comes back detached.
+CLONERS: dict[str, Callable[[Any], Any]] = {
     "copy": copy.copy,
     "deepcopy": copy.deepcopy,
-    **{f"pickle{protocol}": _pickler(protocol) for protocol in range(pickle.HIGHEST_PROTOCOL + 1)},
+    **{f"pickle{p}": _round_trip(p) for p in range(pickle.HIGHEST_PROTOCOL + 1)},
 }
 
 
-@pytest.mark.parametrize("how", COPIERS)
-def test_a_queue_refuses_to_be_copied(queue_mod: ModuleType, how: str) -> None:
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+@pytest.mark.parametrize("how", CLONERS)
+def test_a_queue_refuses_to_be_copied(queue_mod: ModuleType, how: str, policy: str) -> None:
     blocks = [KVCacheBlock(i) for i in range(3)]
-    queue = queue_mod.FreeKVCacheBlockQueue(blocks)
+    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse=policy)
+    before = snapshot(queue, blocks)
     with pytest.raises(TypeError, match="cannot be copied or pickled"):
-        COPIERS[how](queue)
-    assert queue.get_all_free_blocks() == blocks
-    assert all(block.prev_free_block is not None for block in blocks)
+        CLONERS[how](queue)
+    assert snapshot(queue, blocks) == before
 
 
-@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+@pytest.mark.parametrize("how", CLONERS)
 def test_a_copied_block_is_detached(queue_mod: ModuleType, how: str) -> None:
     blocks = [KVCacheBlock(i, ref_cnt=i, pool="pool-1") for i in range(3)]
     queue = queue_mod.FreeKVCacheBlockQueue(blocks)
     blocks[1].set_block_hash("h", 16)
-    copier: Callable[[Any], Any] = {
-        "copy": copy.copy,
-        "deepcopy": copy.deepcopy,
-        "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
-    }[how]
-    clone = copier(blocks[1])
+    blocks[1].is_null = True
+    before = snapshot(queue, blocks)
+    clone = CLONERS[how](blocks[1])
     assert type(clone) is KVCacheBlock
     assert clone is not blocks[1]
-    assert (clone.block_id, clone.ref_cnt, clone.block_hash, clone.block_hash_num_tokens) == (
-        1,
-        1,
-        "h",
-        16,
-    )
-    assert (clone.pool, clone.is_null) == ("pool-1", False)
+    fields = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "pool", "is_null")
+    assert [getattr(clone, f) for f in fields] == [1, 1, "h", 16, "pool-1", True]
     assert clone.prev_free_block is None
     assert clone.next_free_block is None
+    assert snapshot(queue, blocks) == before
+    if how.startswith("pickle"):
+        # Its pool is a copy too: the queue bound to the original's refuses it.
+        with pytest.raises(ValueError, match="another pool"):
+            queue.append(clone)
+        assert snapshot(queue, blocks) == before
+        return
     # The clone is a free block of its own: it can join the queue the original is in.
     queue.append(clone)
-    assert queue.get_all_free_blocks() == [*blocks, clone]
+    check_queue(queue, [*blocks, clone], [*blocks, clone])
 
 
 CALLS: dict[str, Callable[[type], object]] = {

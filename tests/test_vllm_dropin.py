@@ -551,7 +551,7 @@ def test_plugin_refuses_unknown_guard_switch(
 ) -> None:
     monkeypatch.setenv(kv_vllm.ENV, "python")
     monkeypatch.setenv(kv_vllm.POOL_GUARD_ENV, value)
-    with pytest.raises(ValueError, match="KVQUEUE_POOL_GUARD must be 1 or 0"):
+    with pytest.raises(ValueError, match="KVQUEUE_POOL_GUARD must be one of '1', '0'"):
         kv_vllm.plugin()
     assert kv_vllm.installed() is None
 

@@ -2,15 +2,16 @@
 
 ``import kvqueue`` loads the compiled twin (``kvqueue._queue``) when it can,
 else the pure-Python one (``kvqueue._queue_py``); ``KVQUEUE_PURE=1`` forces the
-pure twin. ``IMPLEMENTATION`` says which one is live.
+pure twin (``0`` or unset: the default; any other value is refused, see ``_env``).
+``IMPLEMENTATION`` says which one is live.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
+from . import _env
 from ._block import KVCacheBlock
 
 __all__ = ("IMPLEMENTATION", "FreeKVCacheBlockQueue", "KVCacheBlock", "__version__")
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 IMPLEMENTATION: str
 if TYPE_CHECKING:
     from ._queue_py import FreeKVCacheBlockQueue
-elif os.environ.get("KVQUEUE_PURE", "") not in ("", "0") or sys.implementation.name != "cpython":
+elif _env.flag(_env.PURE) or sys.implementation.name != "cpython":
     from ._queue_py import FreeKVCacheBlockQueue
 
     IMPLEMENTATION = "python"

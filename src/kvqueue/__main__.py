@@ -18,16 +18,16 @@ from typing import Any
 
 import kvqueue
 
-from . import _policy
+from . import _env, _policy
 from . import vllm as kv_vllm
 
-#: Every variable kvqueue reads, with what it does.
-VARIABLES: dict[str, str] = {
-    "KVQUEUE_PURE": "1: import kvqueue loads the pure twin (0 or unset: the compiled one)",
-    _policy.ENV: "raise (default) or repair: the misuse policy of queues and pool guards",
-    kv_vllm.ENV: "1/auto, cython or python: the vLLM plugin installs kvqueue (0 or unset: off)",
-    kv_vllm.POOL_GUARD_ENV: "0: the vLLM plugin leaves BlockPool's methods unguarded (default 1)",
-    kv_vllm.WRAP_FOREIGN_ENV: "1: the vLLM plugin installs over another project's patch",
+#: What each variable kvqueue reads does.
+MEANINGS: dict[str, str] = {
+    _env.VLLM: "1/auto, cython or python: the vLLM plugin installs kvqueue (0 or unset: off)",
+    _env.MISUSE_POLICY: "raise (default) or repair: the misuse policy of queues and pool guards",
+    _env.POOL_GUARD: "0: the vLLM plugin leaves BlockPool's methods unguarded (default 1)",
+    _env.WRAP_FOREIGN: "1: the vLLM plugin installs over another project's patch",
+    _env.PURE: "1: import kvqueue loads the pure twin (0 or unset: the compiled one)",
 }
 
 
@@ -40,12 +40,13 @@ def report() -> tuple[dict[str, Any], list[str]]:
         "python": sys.version.split()[0],
         "implementation": kvqueue.IMPLEMENTATION,
         "why": _why(),
-        "environment": {name: os.environ.get(name) for name in VARIABLES},
+        "environment": {name: os.environ.get(name) for name in _env.USER},
     }
-    try:
-        _policy.resolve(None)
-    except ValueError as exc:
-        problems.append(str(exc))
+    for check in (lambda: _policy.resolve(None), lambda: _env.flag(_env.PURE)):
+        try:
+            check()
+        except ValueError as exc:
+            problems.append(str(exc))
     facts["vllm"] = _vllm(problems)
     return facts, problems
 
@@ -53,8 +54,8 @@ def report() -> tuple[dict[str, Any], list[str]]:
 def _why() -> str:
     if kvqueue.IMPLEMENTATION == "cython":
         return "the compiled twin (kvqueue._queue) imported"
-    if os.environ.get("KVQUEUE_PURE", "") not in ("", "0"):
-        return "KVQUEUE_PURE is set"
+    if os.environ.get(_env.PURE, "") not in ("", "0"):
+        return f"{_env.PURE} is set"
     if sys.implementation.name != "cpython":
         return f"{sys.implementation.name} runs the pure twin"
     try:
@@ -110,7 +111,7 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
     print(f"kvqueue {facts['kvqueue']} ({facts['location']}), Python {facts['python']}")
     print(f"import kvqueue loads: {facts['implementation']} twin ({facts['why']})")
     print("environment:")
-    for name, meaning in VARIABLES.items():
+    for name, meaning in MEANINGS.items():
         value = facts["environment"][name]
         setting = f"{name}={value!r}" if value is not None else f"{name} unset"
         print(f"  {setting:<28} {meaning}")

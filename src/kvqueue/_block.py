@@ -5,9 +5,20 @@ from __future__ import annotations
 from types import MemberDescriptorType
 from typing import Any
 
-__all__ = ("KVCacheBlock", "check_block_type", "is_subtype")
+__all__ = ("KVCacheBlock", "check_block_type", "is_block", "is_subtype", "layout_change", "lookup")
 
 _LINKS = ("prev_free_block", "next_free_block")
+# How the interpreter reads and writes an instance's attributes: the compiled twin
+# bypasses these (it uses the slots' offsets), so a class may not change them.
+_ACCESS = ("__getattribute__", "__setattr__", "__delattr__", "__getattr__")
+# What a block's subclass must inherit untouched: the slots the compiled twin
+# reads by offset, and the attribute access the pure twin goes through.
+_LAYOUT = (*_LINKS, "pool", *_ACCESS)
+_MISSING: Any = object()
+# type's own descriptors, not attribute access on the class: a metaclass cannot
+# substitute a property for them, so these run no Python code.
+_mro = type.__dict__["__mro__"].__get__
+_namespace = type.__dict__["__dict__"].__get__
 
 
 class KVCacheBlock:
@@ -146,6 +157,12 @@ def check_block_type(block_type: object) -> type:
     """
     if not isinstance(block_type, type):
         raise TypeError(f"block_type must be a class, not {type(block_type).__name__}")
+    for name in _ACCESS:
+        if lookup(block_type, name) is not lookup(object, name):
+            raise TypeError(
+                f"{block_type.__qualname__} overrides {name}: the queue reads and writes "
+                "the links as plain slots, which both twins must see alike"
+            )
     for name in _LINKS:
         descr = getattr(block_type, name, None)
         if type(descr) is not MemberDescriptorType:
@@ -163,6 +180,34 @@ def check_block_type(block_type: object) -> type:
     return block_type
 
 
+def lookup(cls: type, name: str) -> Any:
+    """What ``cls.name`` resolves to, as C's ``_PyType_Lookup`` finds it: by the MRO,
+    running no descriptor, metaclass hook or other Python code. ``_MISSING`` if none."""
+    for base in _mro(cls):
+        found = _namespace(base).get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+    return _MISSING
+
+
+def layout_change(obj_type: type, block_type: type) -> str | None:
+    """The first of the links, ``pool`` and the attribute-access hooks that subclass
+    ``obj_type`` redefines (a slot of its own, a property, ...), or None."""
+    for name in _LAYOUT:
+        if lookup(obj_type, name) is not lookup(block_type, name):
+            return name
+    return None
+
+
+def is_block(obj: object, block_type: type) -> bool:
+    """Whether the queue of ``block_type`` threads ``obj``: an instance of that class,
+    or of a subclass that keeps its layout (the compiled twin's ``kvq_is_block``)."""
+    obj_type = type(obj)
+    return obj_type is block_type or (
+        is_subtype(obj_type, block_type) and layout_change(obj_type, block_type) is None
+    )
+
+
 def is_subtype(obj_type: type, block_type: type) -> bool:
     """``issubclass`` by the MRO alone, as C's ``PyType_IsSubtype`` decides.
 
@@ -171,4 +216,4 @@ def is_subtype(obj_type: type, block_type: type) -> bool:
     twin does. Only subclass instances get here (exact types are checked by
     identity first).
     """
-    return any(base is block_type for base in obj_type.__mro__)
+    return any(base is block_type for base in _mro(obj_type))

@@ -10,16 +10,20 @@ repair on the queue and logs it on the ``kvqueue`` logger.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Literal
+
+from . import _core, _env
 
 __all__ = ("ENV", "KINDS", "MisusePolicy", "admit", "report", "resolve", "unlogged_note")
 
 MisusePolicy = Literal["raise", "repair"]
 
-#: The environment variable read when a queue is built with ``on_misuse=None``.
-ENV = "KVQUEUE_ON_MISUSE"
+#: The environment variable read when a queue is built with ``on_misuse=None``
+#: (kvqueue.vllm reads it by this name).
+ENV = _env.MISUSE_POLICY
+
+_POLICIES: dict[str, MisusePolicy] = {"raise": "raise", "repair": "repair"}
 
 #: The repairs, by kind, with what each one did (the log line says it).
 KINDS: dict[str, str] = {
@@ -27,7 +31,7 @@ KINDS: dict[str, str] = {
     "linked": "it is already linked into a free list; left where it is",
     "sentinel": "it is a sentinel of this queue; left where it is",
     "not_linked": "it is not linked; nothing removed",
-    "other_pool": "it belongs to another pool's queue; nothing removed",
+    "other_pool": "it belongs to another pool's queue; left where it is",
 }
 
 logger = logging.getLogger("kvqueue")
@@ -49,12 +53,7 @@ def resolve(on_misuse: object) -> MisusePolicy:
     unset or empty variable means ``"raise"``).
     """
     if on_misuse is None:
-        value = os.environ.get(ENV, "")
-        if value == "" or value == "raise":
-            return "raise"
-        if value == "repair":
-            return "repair"
-        raise ValueError(f"{ENV} must be 'raise' or 'repair', not {value!r}")
+        return _env.choice(ENV, _POLICIES, "raise")
     if on_misuse == "raise" and type(on_misuse) is str:
         return "raise"
     if on_misuse == "repair" and type(on_misuse) is str:
@@ -88,11 +87,11 @@ def report(method: str, block: object, kind: str, count: int) -> None:
     if unlogged is None:
         return
     logger.warning(
-        "%s() repaired a misuse (%s #%d on this queue): skipped %.200r: %s%s",
+        "%s() repaired a misuse (%s #%d on this queue): skipped %s: %s%s",
         method,
         kind,
         count,
-        block,
+        _core.describe(block),
         KINDS[kind],
         unlogged_note(unlogged),
     )

@@ -16,133 +16,67 @@ out into locals and released only when the queue is consistent again; a plain
 store is used only where the old value is None or held elsewhere.
 
 The list's invariants are the pure twin's (see the ``_queue_py`` docstring);
-misuse is refused or repaired by the same rules, in the same order.
+misuse is refused or repaired by the same rules, in the same order. What both
+twins share (argument parsing, which blocks and pools a queue takes, the count
+validator, messages) is in ``_core``; this module imports nothing of the pure one.
+
+Each method here and its pure twin::
+
+    compiled                               pure (_queue_py)
+    __init__ (_core.constructor_arguments)  __init__
+    _build                                 _build
+    popleft, popleft_n, remove, append,    the same names
+      append_n, prepend_n, get_all_free_blocks,
+      iter_blocks_after, __iter__, __len__, __repr__, __reduce_ex__
+    num_free_blocks member, __setattr__,   num_free_blocks property
+      __delattr__
+    _link + _link_failed, _pool_run        _link, _pool_prefix
+    _link_repaired, _screen, _misuse       the same names
+    _unlink_run                            _undo (partial=...)
+    _misused_append, _misused_remove       inline in append, remove
+    _insert_one                            inline in append_n
+    _follow, _read, _unset                 attribute access
+    _count_obj, _set_count                 int arithmetic
+    _takes, _refuse_takes                  inline in popleft_n
+    _BlockIterator                         the generator _iter_after
+
+The deliberate differences, and why:
+
+- Every link followed here is type-checked first (``_follow``): a raw read of
+  whatever a caller assigned would crash; the pure twin's attribute access
+  raises by itself.
+- No Python code runs between a method's reads of the list and its last write
+  (old values are swapped out, the result list allocated first), so a
+  collection's finalizers can call the queue at any point and find it whole.
+  The pure twin can be entered by a collection between any two bytecodes, as
+  vLLM's queue can.
+- The pure twin writes the list inside ``try`` blocks whose handlers undo the
+  call, for exceptions raised asynchronously between its bytecodes; here no
+  bytecode runs inside a call, so none arrive.
+- ``popleft_n`` walks the list before it unlinks (its result list is sized
+  first); the pure twin unlinks as it walks, as vLLM's does, and relinks on
+  failure.
+- The count is the true length plus an offset, and the int Python reads: an
+  assigned count may exceed Py_ssize_t as the pure twin's int may.
+- A bound queue checks its pool in a pass of its own (``_pool_run``), as the
+  pure twin does (``_pool_prefix``), so that the unbound linking loop is
+  unchanged; both stop at the same block.
 """
 
 cimport cython
 from cpython.object cimport Py_TYPE, PyObject, PyTypeObject
 from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_CLEAR, Py_INCREF, Py_XDECREF
 from cpython.number cimport PyNumber_Index
 from cpython.type cimport PyType_Check, PyType_IsSubtype
 
 from types import GenericAlias
 
-from kvqueue import _errors, _policy
-from kvqueue._block import KVCacheBlock, check_block_type
-from kvqueue._queue_py import FreeKVCacheBlockQueue as _Pure
-from kvqueue._queue_py import _as_sequence as _materialize
-from kvqueue._queue_py import _common_pool, _first_block_type
+from kvqueue import _core, _errors, _policy
+from kvqueue._block import KVCacheBlock, check_block_type, lookup
 
-cdef extern from *:
-    """
-    #include "structmember.h"
-    #ifndef Py_T_OBJECT_EX
-    #define Py_T_OBJECT_EX T_OBJECT_EX
-    #define Py_READONLY READONLY
-    #endif
-
-    /* Byte offset of the writable object slot behind member descriptor d, or -1. */
-    static Py_ssize_t kvq_slot_offset(PyObject *d)
-    {
-        PyMemberDescrObject *md;
-        PyMemberDef *m;
-        if (Py_TYPE(d) != &PyMemberDescr_Type) return -1;
-        md = (PyMemberDescrObject *)d;
-        m = md->d_member;
-        if (m->type != Py_T_OBJECT_EX || (m->flags & Py_READONLY)) return -1;
-        if (m->offset < (Py_ssize_t)sizeof(PyObject)
-            || m->offset + (Py_ssize_t)sizeof(PyObject *) > PyDescr_TYPE(md)->tp_basicsize)
-            return -1;
-        return m->offset;
-    }
-
-    #define KVQ_SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
-
-    /* The link, borrowed; NULL when the slot was never set or was deleted. */
-    static inline PyObject *kvq_get(PyObject *o, Py_ssize_t off)
-    {
-        return KVQ_SLOT(o, off);
-    }
-
-    /* Store v, releasing the old value at once (it must be None or held elsewhere). */
-    static inline void kvq_set(PyObject *o, Py_ssize_t off, PyObject *v)
-    {
-        PyObject *old = KVQ_SLOT(o, off);
-        Py_INCREF(v);
-        KVQ_SLOT(o, off) = v;
-        Py_XDECREF(old);
-    }
-
-    /* Store v and return the old value as a new reference (None if unset). */
-    static inline PyObject *kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
-    {
-        PyObject *old = KVQ_SLOT(o, off);
-        Py_INCREF(v);
-        KVQ_SLOT(o, off) = v;
-        if (old == NULL) {
-            Py_INCREF(Py_None);
-            old = Py_None;
-        }
-        return old;
-    }
-
-    /* An int as Py_ssize_t, clamped instead of overflowing: out-of-range
-       counts take the same error paths as in-range ones. */
-    #define kvq_clamped_ssize(o) PyNumber_AsSsize_t((o), NULL)
-
-    /* num_free_blocks as a read-only T_OBJECT_EX member, not Cython's getset
-       property: the 3.11+ interpreter reads such a member as fast as a
-       __slots__ field (LOAD_ATTR_SLOT), and vLLM's block pool reads the count
-       dozens of times per scheduler step. */
-    #define KVQ_COUNT_OFFSET ((Py_ssize_t)offsetof(struct KvqQueueObject, _num_obj))
-    static PyMemberDef kvq_count_member = {
-        "num_free_blocks", Py_T_OBJECT_EX, 0, Py_READONLY,
-        "The number of free blocks. Assignable, as vLLM's plain attribute is (its "
-        "tests set 0 to fake a full cache): later calls then move the assigned count, "
-        "while the queue's own checks keep using the true length. Raises TypeError "
-        "for a non-integer, ValueError for one below 0 or above sys.maxsize."
-    };
-    static int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset)
-    {
-        PyObject *descr;
-        int err;
-        kvq_count_member.offset = offset;
-        descr = PyDescr_NewMember(tp, &kvq_count_member);
-        if (descr == NULL) return -1;
-        err = PyDict_SetItemString(tp->tp_dict, "num_free_blocks", descr);
-        Py_DECREF(descr);
-        PyType_Modified(tp);
-        return err;
-    }
-
-    /* An exact int as Py_ssize_t, clamped like kvq_clamped_ssize but without the
-       two generic conversions: a compact value is read in place. */
-    static inline Py_ssize_t kvq_exact_ssize(PyObject *o)
-    {
-        Py_ssize_t v = PyLong_AsSsize_t(o);
-        if (v == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return PyNumber_AsSsize_t(o, NULL);
-        }
-        return v;
-    }
-
-    /* Cython's C method table, which no other module cimports from this
-       final type: hidden so that help() and dir() match the pure twin's. */
-    static int kvq_hide_vtable(PyTypeObject *tp)
-    {
-        if (PyDict_DelItemString(tp->tp_dict, "__pyx_vtable__") < 0) return -1;
-        PyType_Modified(tp);
-        return 0;
-    }
-
-    static inline int kvq_is_block(PyObject *o, PyTypeObject *tp)
-    {
-        return Py_TYPE(o) == tp || PyType_IsSubtype(Py_TYPE(o), tp);
-    }
-    """
+cdef extern from "_slots.h":
     Py_ssize_t kvq_slot_offset(object d)
     PyObject *kvq_get(PyObject *o, Py_ssize_t off)
     void kvq_set(PyObject *o, Py_ssize_t off, PyObject *v)
@@ -150,9 +84,12 @@ cdef extern from *:
     bint kvq_is_block(PyObject *o, PyTypeObject *tp)
     Py_ssize_t kvq_clamped_ssize(object o) except? -1
     Py_ssize_t kvq_exact_ssize(object o)
-    Py_ssize_t KVQ_COUNT_OFFSET
     int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset) except -1
     int kvq_hide_vtable(PyTypeObject *tp) except -1
+    int kvq_init_layout() except -1
+
+cdef extern from "Python.h":
+    const Py_ssize_t PY_SSIZE_T_MAX
     int PyObject_GenericSetAttr(object o, object name, PyObject *value) except -1
     void PyObject_GC_Track(object o)
     void PyObject_GC_UnTrack(object o)
@@ -161,16 +98,18 @@ cdef extern from *:
 cdef PyObject *NONE = <PyObject *>None
 
 
+kvq_init_layout()
+
+
 cdef inline object _as_sequence(object blocks, str method):
-    """``blocks`` as a list or tuple: the common case here, any other iterable
-    materialized by the pure twin's own helper (same errors, one copy)."""
+    """``blocks`` as a list or tuple: the common case here, inline."""
     if type(blocks) is list or type(blocks) is tuple:
         return blocks
-    return _materialize(blocks, method)
+    return _core.as_sequence(blocks, method)
 
 
 cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
-    descr = getattr(block_type, name)
+    descr = lookup(block_type, name)
     cdef Py_ssize_t offset = kvq_slot_offset(descr)
     # By the MRO, not issubclass(): a metaclass's __subclasscheck__ could
     # otherwise pass off another class's slot, past the end of our blocks.
@@ -183,7 +122,7 @@ cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
 
 @cython.final
 @cython.no_gc_clear
-cdef public class FreeKVCacheBlockQueue [object KvqQueueObject, type KvqQueueType]:
+cdef class FreeKVCacheBlockQueue:
     """FreeKVCacheBlockQueue(blocks, *, block_type=None, on_misuse=None)
 --
 
@@ -202,14 +141,18 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     # no_gc_clear: the sentinels must outlive any cycle collection that runs a
     # block's destructor which still calls into this queue; the cycle breaks at
     # the blocks, whose slots the collector clears.
-    # The count, and the same count as the int Python reads (see
-    # kvq_expose_count); _set_count keeps the two equal. The previous count's
-    # int is kept as a spare: a queue's count mostly swings between two values
-    # (alloc, free, alloc, ...), and reusing the int saves an allocation.
-    cdef Py_ssize_t _num
-    cdef object _num_obj
-    cdef Py_ssize_t _spare_num
-    cdef object _spare_obj
+    # The true length, and the count as the int Python reads (see
+    # kvq_expose_count): len + _offset, which after an assignment may lie beyond
+    # Py_ssize_t, as the pure twin's int may. _set_count keeps the two in step.
+    # The previous count's int is kept as a spare: a queue's count mostly swings
+    # between two values (alloc, free, alloc, ...), and reusing the int saves an
+    # allocation. Both ints are owned references held as C pointers: Cython gives
+    # no offset of an object attribute, and the member needs _num_obj's; an int
+    # cannot be part of a cycle, so the collector need not see them.
+    cdef Py_ssize_t _len
+    cdef PyObject *_num_obj
+    cdef Py_ssize_t _spare_len
+    cdef PyObject *_spare_obj
     cdef readonly object fake_free_list_head
     """The head sentinel, before the first free block."""
     cdef readonly object fake_free_list_tail
@@ -219,9 +162,13 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     # NULL until construction finishes: every method checks it, since the
     # collector can hand out a half-built queue to Python code.
     cdef PyTypeObject *_tp
+    # Set while __init__ runs the block class's code: a nested __init__ would
+    # otherwise store another class's offsets under the outer one's feet.
+    cdef bint _building
     cdef Py_ssize_t _prev
     cdef Py_ssize_t _next
-    # num_free_blocks minus the true length: nonzero only after an assignment.
+    # num_free_blocks minus the true length: nonzero only after an assignment,
+    # and from -len to sys.maxsize, so it never overflows.
     cdef Py_ssize_t _offset
     cdef bint _repair
     cdef object _repairs
@@ -233,18 +180,22 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     __class_getitem__ = classmethod(GenericAlias)
 
     def __init__(self, *args, **kwargs):
-        # The pure twin's __init__ parses the arguments and calls back _build:
-        # a wrong call gets the interpreter's own error, worded as on that twin,
-        # and so does a second call on a built queue.
-        _Pure.__init__(self, *args, **kwargs)
-
-    def _build(self, blocks, block_type, on_misuse, /):
+        blocks, block_type, on_misuse = _core.constructor_arguments(self, *args, **kwargs)
         if self._tp is not NULL:
             raise RuntimeError(_errors.INITIALIZED)
+        if self._building:
+            raise RuntimeError(_errors.BUILDING)
+        self._building = True
+        try:
+            self._build(blocks, block_type, on_misuse)
+        finally:
+            self._building = False
+
+    cdef int _build(self, blocks, block_type, on_misuse) except -1:
         seq = _as_sequence(blocks, "FreeKVCacheBlockQueue")
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if block_type is None:
-            block_type = _first_block_type(seq) if n else KVCacheBlock
+            block_type = _core.first_block_type(seq) if n else KVCacheBlock
         else:
             check_block_type(block_type)
         on_misuse = _policy.resolve(on_misuse)
@@ -261,43 +212,59 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         kvq_set(<PyObject *>head, self._next, <PyObject *>tail)
         kvq_set(<PyObject *>tail, self._prev, <PyObject *>head)
         kvq_set(<PyObject *>tail, self._next, NONE)
-        self.block_type = block_type
-        self.fake_free_list_head = head
-        self.fake_free_list_tail = tail
-        self._set_count(0, 0)
-        self._repair = on_misuse == "repair"
-        self._repairs = dict.fromkeys(_policy.KINDS, 0)
-        pool = _common_pool(block_type, seq)
+        pool = _core.common_pool(block_type, seq)
         if pool is not None:
             self._pool_off = _slot_offset(block_type, "pool")
             self._pool = pool
+        self.block_type = block_type
+        self.fake_free_list_head = head
+        self.fake_free_list_tail = tail
+        self._offset = 0
+        self._set_count(0, 0)
+        self._repair = on_misuse == "repair"
+        self._repairs = dict.fromkeys(_policy.KINDS, 0)
         self._tp = tp
         # Python code ran since `n` was read (the block class, its constructor,
         # finalizers), and `seq` may be the caller's own list: read it again.
         n = PySequence_Fast_GET_SIZE(seq)
         if n:
             self._link("FreeKVCacheBlockQueue", head, tail, seq, n)
+        return 0
 
-    cdef inline object _count_obj(self, Py_ssize_t num):
-        """The int for a new count; made before the links change, so that
-        storing it (``_set_count``) cannot fail halfway through an update."""
-        if num == self._spare_num and self._spare_obj is not None:
-            return self._spare_obj
-        return num
+    cdef inline object _count_obj(self, Py_ssize_t new_len):
+        """The int for the count at a new length; made before the links change,
+        so that storing it (``_set_count``) cannot fail halfway through an update."""
+        if new_len == self._spare_len and self._spare_obj is not NULL:
+            return <object>self._spare_obj
+        if self._offset == 0:
+            return new_len
+        return self._assigned_count_obj(new_len)
 
-    cdef inline void _set_count(self, Py_ssize_t num, object num_obj) noexcept:
-        self._spare_num = self._num
+    cdef object _assigned_count_obj(self, Py_ssize_t new_len):
+        """The int of an assigned count, in Python's arithmetic, which cannot
+        overflow. Out of line: kept small, _count_obj is inlined."""
+        return <object>new_len + <object>self._offset
+
+    cdef inline void _set_count(self, Py_ssize_t new_len, object num_obj) noexcept:
+        # The old spare is an int: releasing it runs no Python code.
+        Py_XDECREF(self._spare_obj)
+        self._spare_len = self._len
         self._spare_obj = self._num_obj
-        self._num = num
-        self._num_obj = num_obj
+        Py_INCREF(num_obj)
+        self._len = new_len
+        self._num_obj = <PyObject *>num_obj
+
+    def __dealloc__(self):
+        Py_XDECREF(self._spare_obj)
+        Py_XDECREF(self._num_obj)
 
     cdef inline int _check(self) except -1:
         if self._tp is NULL:
-            raise RuntimeError("the queue is not initialized")
+            raise RuntimeError(_errors.UNINITIALIZED)
         return 0
 
     cdef inline PyObject *_read(self, PyObject *block, Py_ssize_t offset) except NULL:
-        """The link at ``offset``, borrowed; AttributeError if unset, as from Python."""
+        """The slot at ``offset``, borrowed; AttributeError if unset, as from Python."""
         cdef PyObject *value = kvq_get(block, offset)
         if value is NULL:
             return self._unset(block, offset)
@@ -310,12 +277,18 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             return value
         if value is NULL:
             return self._unset(block, offset)
-        raise _errors.corrupted(where, <object>value)
+        raise _core.corrupted(where, <object>value)
 
     cdef PyObject *_unset(self, PyObject *block, Py_ssize_t offset) except NULL:
-        name = "prev_free_block" if offset == self._prev else "next_free_block"
-        # The slot descriptor raises the interpreter's own AttributeError.
-        getattr(<object>block, name)
+        if offset == self._prev:
+            name = "prev_free_block"
+        elif offset == self._next:
+            name = "next_free_block"
+        else:
+            name = "pool"
+        # The slot's own descriptor raises the interpreter's AttributeError (and no
+        # subclass can have replaced it: kvq_is_block checked the layout).
+        lookup(self.block_type, name).__get__(<object>block)
         raise AttributeError(name)
 
     @property
@@ -333,9 +306,11 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         # Only here, not in the member: a writable member would skip _set_count.
         if name == "num_free_blocks":
             self._check()
-            count = _errors.count(value)
-            self._offset += <Py_ssize_t>count - self._num
-            self._set_count(count, count)
+            count = _core.count(value)  # Python code (__index__): before the state is read
+            self._offset = <Py_ssize_t>count - self._len
+            # The spare is an int of the old offset's count.
+            Py_CLEAR(self._spare_obj)
+            self._set_count(self._len, count)
         else:
             PyObject_GenericSetAttr(self, name, <PyObject *>value)
 
@@ -344,28 +319,39 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             raise AttributeError(_errors.COUNT_UNDELETABLE)
         PyObject_GenericSetAttr(self, name, NULL)
 
-    # The two misuses of the O(1) calls are handled out of their bodies: kept
-    # small, those let the C compiler inline the linking itself.
-    cdef int _misused_remove(self, object block, str kind) except -1:
-        if kind == "other_pool":
-            return self._misuse("remove", block, kind, _errors.other_pool(block))
-        return self._misuse("remove", block, kind, _errors.invalid_remove(block))
+    # The misuses of the O(1) calls are handled out of their bodies: kept small,
+    # those let the C compiler inline the linking itself.
+    cdef int _misused_remove(self, object block) except -1:
+        if self._pool is not None and kvq_get(<PyObject *>block, self._pool_off) is not (
+            <PyObject *>self._pool
+        ):
+            self._read(<PyObject *>block, self._pool_off)
+            # A sentinel's pool is None, but removing one is the unbound queue's error.
+            if block is not self.fake_free_list_head and block is not self.fake_free_list_tail:
+                return self._misuse("remove", block, "other_pool")
+        return self._misuse("remove", block, "not_linked")
 
     cdef int _misused_append(self, object block) except -1:
-        head = self.fake_free_list_head
-        tail = self.fake_free_list_tail
-        kind = "sentinel" if block is head or block is tail else "linked"
-        error = _errors.already_linked("append", block, (), 0, (head, tail))
-        return self._misuse("append", block, kind, error)
+        cdef PyObject *b = <PyObject *>block
+        if self._read(b, self._prev) is NONE and self._read(b, self._next) is NONE:
+            self._read(b, self._pool_off)
+            return self._misuse("append", block, "other_pool")
+        if block is self.fake_free_list_head or block is self.fake_free_list_tail:
+            return self._misuse("append", block, "sentinel")
+        return self._misuse("append", block, "linked")
 
-    cdef int _misuse(self, str method, object block, str kind, object error) except -1:
-        """Raise ``error`` under ``"raise"``; else count and report the repair."""
-        if not self._repair and error is not None:
-            raise error
+    cdef int _misuse(self, str method, object block, str kind) except -1:
+        """Raise under ``"raise"``; else count and report the repair. The message
+        is made only here, when it is needed."""
+        if not self._repair:
+            raise _core.misuse(method, kind, block)
         count = self._repairs[kind] + 1
         self._repairs[kind] = count
         _policy.report(method, block, kind, count)
         return 0
+
+    cdef inline bint _in_pool(self, PyObject *b) noexcept:
+        return self._pool is None or kvq_get(b, self._pool_off) is <PyObject *>self._pool
 
     def popleft(self):
         """Pop the first free block. O(1).
@@ -376,20 +362,21 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         head = self.fake_free_list_head
         cdef PyObject *first = self._follow(<PyObject *>head, self._next, "popleft()")
         if first is <PyObject *>self.fake_free_list_tail or first is NONE:
-            if self._num != self._offset:
-                raise _errors.out_of_sync(self._num)
+            # vLLM asserts that the count is 0 here before it raises ValueError.
+            if self._offset != -self._len:
+                raise _errors.out_of_sync(<object>self._num_obj)
             raise _errors.empty()
         block = <object>first
         next_block = <object>self._follow(first, self._next, "popleft()")
         if next_block is None:
             raise _errors.invalid_next("popleft")
-        num_obj = self._count_obj(self._num - 1)
+        num_obj = self._count_obj(self._len - 1)
         # head.next held `block` (kept alive by the local); next.prev is swapped out.
         kvq_set(<PyObject *>head, self._next, <PyObject *>next_block)
         _old = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>head)
         _old_prev = kvq_swap(first, self._prev, NONE)
         kvq_set(first, self._next, NONE)
-        self._set_count(self._num - 1, num_obj)
+        self._set_count(self._len - 1, num_obj)
         return block
 
     def popleft_n(self, n, /):
@@ -408,36 +395,35 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             # __index__ runs once, before any state is read: it may be Python code.
             index = PyNumber_Index(n)
             count = kvq_clamped_ssize(index)
-        cdef Py_ssize_t num = self._num
         cdef Py_ssize_t i
         if count <= 0:
             if count == 0:
                 return []
             raise _errors.negative(index)
-        if count > num:
-            raise _errors.too_many(index, num)
+        if not self._takes(count):
+            self._refuse_takes(count, index)
         # Allocate before reading the list: on 3.11 an allocation can run a
         # collection, whose finalizers may call this queue (and free the first
         # block). Until it is full and returned, `ret` is hidden from the
-        # collector, so no gc.get_objects() caller sees its empty slots.
+        # collector, so no gc.get_objects() caller sees its empty slots. Its
+        # size is at most the true length, never an assigned count.
         cdef list ret = PyList_New(count)
         PyObject_GC_UnTrack(ret)
-        num = self._num
-        if count > num:
-            raise _errors.too_many(index, num)
+        if not self._takes(count):
+            self._refuse_takes(count, index)
         head = self.fake_free_list_head
         cdef PyObject *tail = <PyObject *>self.fake_free_list_tail
         cdef PyObject *curr = self._follow(<PyObject *>head, self._next, "popleft_n()")
         # Walk first, unlink after: a short or broken list raises untouched.
         for i in range(count):
             if curr is NONE or curr is tail:
-                raise _errors.out_of_sync(num)
+                raise _errors.out_of_sync(<object>self._num_obj)
             Py_INCREF(<object>curr)
             PyList_SET_ITEM(ret, i, <object>curr)
             curr = self._follow(curr, self._next, "popleft_n()")
         if curr is NONE:
             raise _errors.invalid_next("popleft_n")
-        num_obj = self._count_obj(num - count)
+        num_obj = self._count_obj(self._len - count)
         # head.next held ret[0]; curr.prev is swapped out; the popped blocks'
         # links point at blocks held by `ret`, or at `head` and `curr`, which
         # the head keeps alive.
@@ -446,9 +432,20 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         for i in range(count):
             kvq_set(PyList_GET_ITEM(ret, i), self._prev, NONE)
             kvq_set(PyList_GET_ITEM(ret, i), self._next, NONE)
-        self._set_count(num - count, num_obj)
+        self._set_count(self._len - count, num_obj)
         PyObject_GC_Track(ret)
         return ret
+
+    cdef inline bint _takes(self, Py_ssize_t count) noexcept:
+        """Whether popleft_n(count > 0) can take ``count`` blocks: the count first
+        (count > len + offset, written so that neither side can overflow), then the
+        true length."""
+        return count - self._len <= self._offset and count <= self._len
+
+    cdef int _refuse_takes(self, Py_ssize_t count, object index) except -1:
+        if count - self._len > self._offset:
+            raise _errors.too_many(index, <object>self._num_obj)
+        raise _errors.out_of_sync(<object>self._num_obj)
 
     def remove(self, block, /):
         """Take ``block`` out of the middle of the queue. O(1).
@@ -460,22 +457,21 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         self._check()
         cdef PyObject *b = <PyObject *>block
         if not kvq_is_block(b, self._tp):
-            raise _errors.not_a_block(block, self.block_type, "remove()")
-        if self._pool is not None and kvq_get(b, self._pool_off) is not <PyObject *>self._pool:
-            self._read(b, self._pool_off)
-            self._misused_remove(block, "other_pool")
+            raise _core.not_a_block(block, self.block_type, "remove()")
+        if not self._in_pool(b):
+            self._misused_remove(block)
             return
         prev_block = <object>self._follow(b, self._prev, "remove()")
         next_block = <object>self._follow(b, self._next, "remove()")
         if prev_block is None or next_block is None:
-            self._misused_remove(block, "not_linked")
+            self._misuse("remove", block, "not_linked")
             return
-        num_obj = self._count_obj(self._num - 1)
+        num_obj = self._count_obj(self._len - 1)
         _old_next = kvq_swap(<PyObject *>prev_block, self._next, <PyObject *>next_block)
         _old_prev = kvq_swap(<PyObject *>next_block, self._prev, <PyObject *>prev_block)
         kvq_set(b, self._prev, NONE)
         kvq_set(b, self._next, NONE)
-        self._set_count(self._num - 1, num_obj)
+        self._set_count(self._len - 1, num_obj)
 
     def append(self, block, /):
         """Put ``block`` at the end of the queue (evicted last). O(1).
@@ -490,35 +486,40 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             raise RuntimeError(_errors.TAIL_LOST)
         cdef PyObject *b = <PyObject *>block
         if not kvq_is_block(b, self._tp):
-            raise _errors.not_a_block(block, self.block_type, "append()")
-        if self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE:
+            raise _core.not_a_block(block, self.block_type, "append()")
+        if (
+            self._read(b, self._prev) is not NONE
+            or self._read(b, self._next) is not NONE
+            or not self._in_pool(b)
+        ):
             self._misused_append(block)
             return
         # _insert_one's body, written out: gcc stopped inlining that helper here
         # once the module grew, and the call cost this cycle 3% (callgrind).
-        num_obj = self._count_obj(self._num + 1)
+        num_obj = self._count_obj(self._len + 1)
         kvq_set(b, self._prev, <PyObject *>last_block)
         kvq_set(b, self._next, <PyObject *>tail)
         _old_next = kvq_swap(<PyObject *>last_block, self._next, b)
         _old_prev = kvq_swap(<PyObject *>tail, self._prev, b)
-        self._set_count(self._num + 1, num_obj)
+        self._set_count(self._len + 1, num_obj)
 
     cdef inline int _insert_one(self, PyObject *b, object left, object right) except -1:
         """Link the checked, unlinked block ``b`` between ``left`` and ``right``."""
-        num_obj = self._count_obj(self._num + 1)
+        num_obj = self._count_obj(self._len + 1)
         kvq_set(b, self._prev, <PyObject *>left)
         kvq_set(b, self._next, <PyObject *>right)
         _old_next = kvq_swap(<PyObject *>left, self._next, b)
         _old_prev = kvq_swap(<PyObject *>right, self._prev, b)
-        self._set_count(self._num + 1, num_obj)
+        self._set_count(self._len + 1, num_obj)
         return 0
 
     cdef inline bint _is_fresh(self, PyObject *b) noexcept:
-        """An exact-type block with no links: the one-block batches' fast path."""
+        """An exact-type block of the pool with no links: the one-block batches' fast path."""
         return (
             Py_TYPE(<object>b) == self._tp
             and kvq_get(b, self._prev) is NONE
             and kvq_get(b, self._next) is NONE
+            and self._in_pool(b)
         )
 
     def append_n(self, blocks, /):
@@ -565,59 +566,110 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     cdef int _link(
         self, str method, object left, object right, object seq, Py_ssize_t n, bint screened=False
     ) except -1:
-        """Link the ``n`` > 0 blocks of list or tuple ``seq`` between two blocks.
+        """Link the ``n`` > 0 blocks of list or tuple ``seq`` between two blocks;
+        1 if it did.
 
         Each block is checked as it is linked; on the first bad one the links
         made so far are undone. A block seen twice is caught because its first
         visit already gave it a ``prev_free_block``. No Python code can run
         inside the loop (every old value replaced is None), so ``seq`` cannot
         change under it. Under ``"repair"`` a bad batch is screened and its
-        good blocks linked; ``screened`` marks that second pass.
+        good blocks linked; ``screened`` marks that second pass, which returns
+        0, with nothing linked, if one of them was linked meanwhile.
         """
         cdef Py_ssize_t i
         cdef PyObject *b
-        cdef PyObject *prev_link
-        cdef PyObject *next_link
         cdef PyObject *prev = <PyObject *>left
         cdef PyTypeObject *tp = self._tp
         cdef Py_ssize_t P = self._prev
         cdef Py_ssize_t N = self._next
+        # A bound queue's pool is checked in a pass of its own, which leaves the
+        # linking loop as it is for an unbound one: the loop stops where it found
+        # the first block of another pool, and that block fails as in the pure twin.
+        cdef Py_ssize_t limit = n if self._pool is None else self._pool_run(seq, n)
         # An int allocation cannot start a collection (ints are not tracked),
         # so no Python code runs here before the loop reads `seq`.
-        num_obj = self._count_obj(self._num + n)
-        for i in range(n):
+        num_obj = self._count_obj(self._len + n)
+        for i in range(limit):
             b = PySequence_Fast_GET_ITEM(seq, i)
-            if kvq_is_block(b, tp):
-                prev_link = kvq_get(b, P)
-                next_link = kvq_get(b, N)
-                if prev_link is NONE and next_link is NONE:
-                    kvq_set(b, P, prev)
-                    if i:
-                        kvq_set(prev, N, b)
-                    prev = b
-                    continue
-            self._unlink_run(seq, i)
-            block = <object>b
-            if not kvq_is_block(b, tp):
-                raise _errors.not_a_block(block, self.block_type, f"{method}()")
-            self._read(b, P)
-            self._read(b, N)
-            if self._repair and not screened:
-                return self._link_repaired(method, seq)
-            raise _errors.already_linked(
-                method, block, seq, i, (self.fake_free_list_head, self.fake_free_list_tail)
-            )
+            if kvq_is_block(b, tp) and kvq_get(b, P) is NONE and kvq_get(b, N) is NONE:
+                kvq_set(b, P, prev)
+                if i:
+                    kvq_set(prev, N, b)
+                prev = b
+                continue
+            return self._link_failed(method, seq, i, screened)
+        if limit < n:
+            return self._link_failed(method, seq, limit, screened)
         kvq_set(prev, N, <PyObject *>right)
         _old_prev = kvq_swap(<PyObject *>right, P, prev)
         _old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
-        self._set_count(self._num + n, num_obj)
-        return 0
+        self._set_count(self._len + n, num_obj)
+        return 1
+
+    cdef Py_ssize_t _pool_run(self, object seq, Py_ssize_t n) noexcept:
+        """The index of the first item of ``seq`` that is not a block of the pool, or ``n``."""
+        cdef Py_ssize_t i
+        cdef PyObject *b
+        for i in range(n):
+            b = PySequence_Fast_GET_ITEM(seq, i)
+            if not kvq_is_block(b, self._tp) or kvq_get(b, self._pool_off) is not (
+                <PyObject *>self._pool
+            ):
+                return i
+        return n
+
+    cdef int _link_failed(self, str method, object seq, Py_ssize_t i, bint screened) except -1:
+        """``_link`` stopped at ``seq[i]``: undo, then raise, repair, or return 0."""
+        self._unlink_run(seq, i)
+        block = <object>PySequence_Fast_GET_ITEM(seq, i)
+        cdef PyObject *b = <PyObject *>block
+        if not kvq_is_block(b, self._tp):
+            raise _core.not_a_block(block, self.block_type, f"{method}()")
+        linked = self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE
+        if not linked and self._pool is not None:
+            self._read(b, self._pool_off)  # unset: the AttributeError the pure twin gets
+        if screened:
+            return 0
+        if self._repair:
+            self._link_repaired(method, seq)
+            return 1
+        sentinels = (self.fake_free_list_head, self.fake_free_list_tail)
+        raise _core.misuse(method, _core.link_misuse(block, seq, i, linked, sentinels), block)
 
     cdef int _link_repaired(self, str method, object seq) except -1:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
 
         Raises TypeError, with nothing linked, if the batch holds a non-block.
+        Screens again if a block it found free was linked before it could link
+        it: the collections its allocations start run finalizers, which may
+        free one.
         """
+        while True:
+            good, skipped = self._screen(method, seq)
+            if not good:
+                break
+            # The ends as they are now: a finalizer may have moved them.
+            head = self.fake_free_list_head
+            tail = self.fake_free_list_tail
+            if method == "prepend_n":
+                first = <object>self._follow(<PyObject *>head, self._next, "prepend_n()")
+                if first is None:
+                    raise AssertionError(_errors.HEAD_LOST)
+                if self._link(method, head, first, good, len(good), True):
+                    break
+            else:
+                last = <object>self._follow(<PyObject *>tail, self._prev, f"{method}()")
+                if last is None:
+                    raise AssertionError(_errors.TAIL_LOST)
+                if self._link(method, last, tail, good, len(good), True):
+                    break
+        for block, kind in skipped:
+            self._misuse(method, block, kind)
+        return 0
+
+    cdef tuple _screen(self, str method, object seq):
+        """The blocks of a batch that can be linked, and the rest with their misuse."""
         # A private copy: the collector may run finalizers that change `seq`.
         cdef list items = list(seq)
         cdef PyObject *b
@@ -628,34 +680,21 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         for block in items:
             b = <PyObject *>block
             if not kvq_is_block(b, self._tp):
-                raise _errors.not_a_block(block, self.block_type, f"{method}()")
+                raise _core.not_a_block(block, self.block_type, f"{method}()")
             if block is sentinels[0] or block is sentinels[1]:
                 skipped.append((block, "sentinel"))
             elif id(block) in seen:
                 skipped.append((block, "duplicate"))
             elif self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE:
                 skipped.append((block, "linked"))
+            elif self._pool is not None and self._read(b, self._pool_off) is not (
+                <PyObject *>self._pool
+            ):
+                skipped.append((block, "other_pool"))
             else:
                 seen.add(id(block))
                 good.append(block)
-        if good:
-            # Read the ends only now: a finalizer run by the allocations above
-            # may have moved them.
-            head = self.fake_free_list_head
-            tail = self.fake_free_list_tail
-            if method == "prepend_n":
-                first = <object>self._follow(<PyObject *>head, self._next, "prepend_n()")
-                if first is None:
-                    raise AssertionError(_errors.HEAD_LOST)
-                self._link(method, head, first, good, len(good), True)
-            else:
-                last = <object>self._follow(<PyObject *>tail, self._prev, f"{method}()")
-                if last is None:
-                    raise AssertionError(_errors.TAIL_LOST)
-                self._link(method, last, tail, good, len(good), True)
-        for block, kind in skipped:
-            self._misuse(method, block, kind, None)
-        return 0
+        return good, skipped
 
     cdef void _unlink_run(self, object seq, Py_ssize_t count) noexcept:
         """Clear the links of the first ``count`` blocks of ``seq`` (all held by it)."""
@@ -679,7 +718,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         )
         if curr is NONE:
             raise RuntimeError(_errors.HEAD_LOST)
-        cdef Py_ssize_t limit = self._num - self._offset
+        cdef Py_ssize_t limit = self._len
         cdef PyObject *next_block
         while True:
             next_block = self._follow(curr, self._next, "get_all_free_blocks()")
@@ -701,7 +740,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         if cursor is None:
             return _BlockIterator(self, self.fake_free_list_head)
         if not kvq_is_block(<PyObject *>cursor, self._tp):
-            raise _errors.not_a_block(cursor, self.block_type, "iter_blocks_after()")
+            raise _core.not_a_block(cursor, self.block_type, "iter_blocks_after()")
         return _BlockIterator(self, cursor)
 
     def __iter__(self):
@@ -709,23 +748,33 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         return _BlockIterator(self, self.fake_free_list_head)
 
     def __len__(self):
-        if self._num < 0:
+        # The interpreter's own errors for the pure twin's int, however large.
+        if self._offset > 0 and self._len > PY_SSIZE_T_MAX - self._offset:
+            raise _errors.len_overflow()
+        if self._len + self._offset < 0:
             raise ValueError("__len__() should return >= 0")
-        return self._num
+        return self._len + self._offset
 
     def __reduce_ex__(self, protocol, /):
         """Refuse: copy, deepcopy and pickle raise TypeError (a copy would share the links)."""
         raise TypeError(_errors.UNCOPYABLE)
 
     def __repr__(self):
-        name = "uninitialized" if self._tp is NULL else self.block_type.__qualname__
+        if self._tp is NULL:
+            return f"<{type(self).__qualname__} num_free_blocks=0 block_type=uninitialized>"
         return (
-            f"<{type(self).__qualname__} num_free_blocks={self._num} "
-            f"block_type={name}>"
+            f"<{type(self).__qualname__} num_free_blocks={<object>self._num_obj} "
+            f"block_type={self.block_type.__qualname__}>"
         )
 
 
-kvq_expose_count(<PyTypeObject *>FreeKVCacheBlockQueue, KVQ_COUNT_OFFSET)
+cdef Py_ssize_t _count_offset():
+    """Where a queue keeps the int that num_free_blocks reads."""
+    cdef FreeKVCacheBlockQueue probe = FreeKVCacheBlockQueue.__new__(FreeKVCacheBlockQueue)
+    return <char *>&probe._num_obj - <char *><PyObject *>probe
+
+
+kvq_expose_count(<PyTypeObject *>FreeKVCacheBlockQueue, _count_offset())
 kvq_hide_vtable(<PyTypeObject *>FreeKVCacheBlockQueue)
 
 
@@ -742,7 +791,7 @@ cdef class _BlockIterator:
         # Reachable from Python as type(it)(...): check what is handed in.
         queue._check()
         if curr is not None and not kvq_is_block(<PyObject *>curr, queue._tp):
-            raise _errors.not_a_block(curr, queue.block_type, "iter_blocks_after()")
+            raise _core.not_a_block(curr, queue.block_type, "iter_blocks_after()")
         self._queue = queue
         self._curr = curr
 

@@ -11,7 +11,11 @@ silently corrupting the list, or, under ``on_misuse="repair"``, is repaired
 and reported (see ``_policy``). Links assigned from outside the queue are not
 checked here: the compiled twin checks them because it must never crash.
 
-The list's invariants, kept by every call that returns normally:
+The list's invariants, kept by every call, whether it returns or raises, even
+for an exception raised asynchronously between two of its bytecodes (a
+``KeyboardInterrupt``, or the ``SystemExit`` of vLLM's signal handlers): each
+method writes the list only inside a ``try`` whose handler puts back every link
+and the count it read, all absolute writes that need no progress marker.
 
 * ``head.prev_free_block`` and ``tail.next_free_block`` are None; following
   ``next_free_block`` from ``head`` reaches ``tail``, and ``prev_free_block``
@@ -23,18 +27,17 @@ The list's invariants, kept by every call that returns normally:
   (as vLLM's tests do to fake a full cache); every call then moves the
   assigned count as it moves the true one.
 * A queue bound to a pool (its blocks all carried that ``pool`` when it was
-  built) only ever links or unlinks blocks of that pool through ``remove``.
+  built) only ever links or unlinks blocks of that pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from operator import index
-from types import MemberDescriptorType
 from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast, final
 
-from . import _errors, _policy
-from ._block import KVCacheBlock, check_block_type, is_subtype
+from . import _core, _errors, _policy
+from ._block import KVCacheBlock, check_block_type, is_block
 
 __all__ = ("FreeKVCacheBlockQueue",)
 
@@ -67,6 +70,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
     __slots__ = (
         "__weakref__",
         "_block_type",
+        "_building",
         "_head",
         "_num_free_blocks",
         "_offset",
@@ -87,33 +91,45 @@ class FreeKVCacheBlockQueue(Generic[B]):
         block_type: type[B] | None = None,
         on_misuse: _policy.MisusePolicy | None = None,
     ) -> None:
-        self._build(blocks, block_type, on_misuse)
-
-    def _build(self, blocks: Iterable[B], block_type: type[B] | None, on_misuse: object) -> None:
-        # Split from __init__, which the compiled twin calls to parse its own
-        # arguments: a wrong call then gets the interpreter's error, worded alike.
         if hasattr(self, "_head"):
             raise RuntimeError(_errors.INITIALIZED)
-        blocks = _as_sequence(blocks, "FreeKVCacheBlockQueue")
+        # The block class's constructor runs below: it may reach this queue (through
+        # gc.get_objects()) and call __init__ again, which must not rebuild it.
+        if getattr(self, "_building", False):
+            raise RuntimeError(_errors.BUILDING)
+        self._building = True
+        try:
+            self._build(blocks, block_type, on_misuse)
+        finally:
+            self._building = False
+
+    def _build(self, blocks: Iterable[B], block_type: type[B] | None, on_misuse: object) -> None:
+        blocks = _core.as_sequence(blocks, "FreeKVCacheBlockQueue")
         if block_type is None:
-            block_type = _first_block_type(blocks) if blocks else cast("type[B]", KVCacheBlock)
+            block_type = _core.first_block_type(blocks) if blocks else cast("type[B]", KVCacheBlock)
         else:
             check_block_type(block_type)
-        self._on_misuse = _policy.resolve(on_misuse)
+        policy = _policy.resolve(on_misuse)
         make = cast(Any, block_type)
         head: Any = make(block_id=-1)
         tail: Any = make(block_id=-1)
+        if not (is_block(head, block_type) and is_block(tail, block_type)):
+            raise TypeError(f"{block_type.__qualname__}(block_id=-1) did not make a block")
         head.prev_free_block = None
         head.next_free_block = tail
         tail.prev_free_block = head
         tail.next_free_block = None
-        self._head: B = head
-        self._tail: B = tail
+        pool = _core.common_pool(block_type, blocks)
         self._block_type: type[B] = block_type
         self._num_free_blocks = 0
         self._offset = 0
+        self._on_misuse = policy
+        self._pool = pool
         self._repairs = dict.fromkeys(_policy.KINDS, 0)
-        self._pool = _common_pool(block_type, blocks)
+        self._tail: B = tail
+        # Last: a queue with a head is built (a call on it from the constructor
+        # above found no head and failed).
+        self._head: B = head
         if blocks:
             self._link("FreeKVCacheBlockQueue", head, tail, blocks)
 
@@ -128,9 +144,14 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     @num_free_blocks.setter
     def num_free_blocks(self, value: int) -> None:
-        count = _errors.count(value)
-        self._offset += count - self._num_free_blocks
-        self._num_free_blocks = count
+        count = _core.count(value)  # Python code (__index__): before the state is read
+        num, offset = self._num_free_blocks, self._offset
+        try:
+            self._offset = offset + count - num
+            self._num_free_blocks = count
+        except BaseException:
+            self._num_free_blocks, self._offset = num, offset
+            raise
 
     @num_free_blocks.deleter
     def num_free_blocks(self) -> None:
@@ -168,17 +189,24 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """
         head: Any = self._head
         first: B = head.next_free_block
+        num = self._num_free_blocks
         if first is self._tail or first is None:
-            if self._num_free_blocks != self._offset:
-                raise _errors.out_of_sync(self._num_free_blocks)
+            # vLLM asserts that the count is 0 here before it raises ValueError.
+            if num != 0:
+                raise _errors.out_of_sync(num)
             raise _errors.empty()
         next_block = first.next_free_block
         if next_block is None:
             raise _errors.invalid_next("popleft")
-        head.next_free_block = next_block
-        next_block.prev_free_block = head
-        first.prev_free_block = first.next_free_block = None
-        self._num_free_blocks -= 1
+        try:
+            head.next_free_block = next_block
+            next_block.prev_free_block = head
+            first.prev_free_block = first.next_free_block = None
+            self._num_free_blocks = num - 1
+        except BaseException:
+            self._undo(head, (first,), next_block)
+            self._num_free_blocks = num
+            raise
         return first
 
     def popleft_n(self, n: int, /) -> list[B]:
@@ -188,7 +216,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         one, AssertionError when ``n`` exceeds ``num_free_blocks``.
         """
         if type(n) is not int:
-            n = index(n)
+            n = index(n)  # Python code (__index__): before the state is read
         num = self._num_free_blocks
         if n <= 0:
             if n == 0:
@@ -206,27 +234,38 @@ class FreeKVCacheBlockQueue(Generic[B]):
             next_block = curr.next_free_block
             if next_block is None:
                 raise _errors.invalid_next("popleft_n")
-            head.next_free_block = next_block
-            next_block.prev_free_block = head
-            curr.prev_free_block = curr.next_free_block = None
-            self._num_free_blocks = num - 1
+            try:
+                head.next_free_block = next_block
+                next_block.prev_free_block = head
+                curr.prev_free_block = curr.next_free_block = None
+                self._num_free_blocks = num - 1
+            except BaseException:
+                self._undo(head, (curr,), next_block)
+                self._num_free_blocks = num
+                raise
             return [curr]
-        # One pass, as vLLM's; a short or broken list is put back as it was.
+        # One pass, as vLLM's. At every bytecode the first block not yet taken is
+        # `next_block` once `curr` is in `ret`, else `curr`: the handler relinks
+        # the taken blocks before it.
         ret: list[B] = []
-        for _ in range(n):
-            if curr is None or curr is tail:
-                _relink(head, ret, curr)
-                raise _errors.out_of_sync(num)
-            ret.append(curr)
-            next_block = curr.next_free_block
-            curr.prev_free_block = curr.next_free_block = None
-            curr = next_block
-        if curr is None:
-            _relink(head, ret, curr)
-            raise _errors.invalid_next("popleft_n")
-        head.next_free_block = curr
-        curr.prev_free_block = head
-        self._num_free_blocks = num - n
+        next_block = curr
+        try:
+            for _ in range(n):
+                if curr is None or curr is tail:
+                    raise _errors.out_of_sync(num)
+                next_block = curr.next_free_block
+                ret.append(curr)
+                curr.prev_free_block = curr.next_free_block = None
+                curr = next_block
+            if curr is None:
+                raise _errors.invalid_next("popleft_n")
+            head.next_free_block = curr
+            curr.prev_free_block = head
+            self._num_free_blocks = num - n
+        except BaseException:
+            self._undo(head, ret, next_block if ret and ret[-1] is curr else curr)
+            self._num_free_blocks = num
+            raise
         return ret
 
     def remove(self, block: B, /) -> None:
@@ -236,19 +275,26 @@ class FreeKVCacheBlockQueue(Generic[B]):
         not linked, ValueError for a block of another pool; under
         ``"repair"`` the last two are no-ops.
         """
-        block_type = self._block_type
-        if type(block) is not block_type and not is_subtype(type(block), block_type):
-            raise _errors.not_a_block(block, block_type, "remove()")
+        if type(block) is not self._block_type and not is_block(block, self._block_type):
+            raise _core.not_a_block(block, self._block_type, "remove()")
         if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
-            return self._misuse("remove", block, "other_pool", _errors.other_pool(block))
+            # A sentinel's pool is None, but removing one is the unbound queue's error.
+            kind = "not_linked" if block is self._head or block is self._tail else "other_pool"
+            return self._misuse("remove", block, kind)
         prev_block = block.prev_free_block
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
-            return self._misuse("remove", block, "not_linked", _errors.invalid_remove(block))
-        prev_block.next_free_block = next_block
-        next_block.prev_free_block = prev_block
-        block.prev_free_block = block.next_free_block = None
-        self._num_free_blocks -= 1
+            return self._misuse("remove", block, "not_linked")
+        num = self._num_free_blocks
+        try:
+            prev_block.next_free_block = next_block
+            next_block.prev_free_block = prev_block
+            block.prev_free_block = block.next_free_block = None
+            self._num_free_blocks = num - 1
+        except BaseException:
+            self._undo(prev_block, (block,), next_block)
+            self._num_free_blocks = num
+            raise
 
     def append(self, block: B, /) -> None:
         """Put ``block`` at the end of the queue (evicted last). O(1).
@@ -260,18 +306,26 @@ class FreeKVCacheBlockQueue(Generic[B]):
         last_block = tail.prev_free_block
         if last_block is None:
             raise RuntimeError(_errors.TAIL_LOST)
-        block_type = self._block_type
-        if type(block) is not block_type and not is_subtype(type(block), block_type):
-            raise _errors.not_a_block(block, block_type, "append()")
+        if type(block) is not self._block_type and not is_block(block, self._block_type):
+            raise _core.not_a_block(block, self._block_type, "append()")
         if block.prev_free_block is not None or block.next_free_block is not None:
             kind = "sentinel" if block is self._head or block is tail else "linked"
-            error = _errors.already_linked("append", block, (), 0, (self._head, tail))
-            return self._misuse("append", block, kind, error)
-        last_block.next_free_block = block
-        block.prev_free_block = last_block
-        block.next_free_block = tail
-        tail.prev_free_block = block
-        self._num_free_blocks += 1
+            return self._misuse("append", block, kind)
+        if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
+            return self._misuse("append", block, "other_pool")
+        num = self._num_free_blocks
+        # The one-block link, written out here and in append_n: a call to a
+        # helper costs as much as the link itself.
+        try:
+            last_block.next_free_block = block
+            block.prev_free_block = last_block
+            block.next_free_block = tail
+            tail.prev_free_block = block
+            self._num_free_blocks = num + 1
+        except BaseException:
+            self._undo(last_block, (), tail, (block,))
+            self._num_free_blocks = num
+            raise
 
     def append_n(self, blocks: Iterable[B], /) -> None:
         """Put ``blocks`` at the end of the queue, in order. O(len(blocks)).
@@ -280,7 +334,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """
         # The common list skips the call, which costs as much as linking a block.
         if type(blocks) is not list and type(blocks) is not tuple:
-            blocks = _as_sequence(blocks, "append_n")
+            blocks = _core.as_sequence(blocks, "append_n")
         if not blocks:
             return
         tail: Any = self._tail
@@ -288,19 +342,26 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if last_block is None:
             raise AssertionError(_errors.TAIL_LOST)
         if len(blocks) == 1:
-            # One block, the most frequent batch: linked inline as append() does. Only
-            # an exact-type, unlinked block takes this path; _link raises for the rest.
+            # One block, the most frequent batch, linked as append() links it. Only an
+            # exact-type, unlinked block of the pool takes this path; _link reports the rest.
             block = blocks[0]
             if (
                 type(block) is self._block_type
                 and block.prev_free_block is None
                 and block.next_free_block is None
+                and (self._pool is None or block.pool is self._pool)  # type: ignore[attr-defined]
             ):
-                last_block.next_free_block = block
-                block.prev_free_block = last_block
-                block.next_free_block = tail
-                tail.prev_free_block = block
-                self._num_free_blocks += 1
+                num = self._num_free_blocks
+                try:
+                    last_block.next_free_block = block
+                    block.prev_free_block = last_block
+                    block.next_free_block = tail
+                    tail.prev_free_block = block
+                    self._num_free_blocks = num + 1
+                except BaseException:
+                    self._undo(last_block, (), tail, (block,))
+                    self._num_free_blocks = num
+                    raise
                 return
         self._link("append_n", last_block, tail, blocks)
 
@@ -311,7 +372,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         Raises as :meth:`append`, before anything is linked.
         """
         if type(blocks) is not list and type(blocks) is not tuple:
-            blocks = _as_sequence(blocks, "prepend_n")
+            blocks = _core.as_sequence(blocks, "prepend_n")
         if not blocks:
             return
         head: Any = self._head
@@ -325,23 +386,33 @@ class FreeKVCacheBlockQueue(Generic[B]):
         method: str,
         left: Any,
         right: Any,
-        blocks: tuple[B, ...] | list[B],
+        blocks: Sequence[B],
         screened: bool = False,
-    ) -> None:
-        """Link the non-empty ``blocks`` between ``left`` and ``right``.
+    ) -> bool:
+        """Link the non-empty ``blocks`` between ``left`` and ``right``; whether it did.
 
         Each block is checked as it is linked; on the first bad one the links
         made so far are undone. A block seen twice is caught because its first
         visit already gave it a ``prev_free_block``. The checks cost about half
         of vLLM's loop again: they are what keeps a bad batch from corrupting
         the list. Under ``"repair"`` a bad batch is screened and its good
-        blocks linked; ``screened`` marks that second pass.
+        blocks linked; ``screened`` marks that second pass, which returns
+        False, with nothing linked, if one of them was linked meanwhile.
         """
+        if screened and (left.next_free_block is not right or right.prev_free_block is not left):
+            # A finalizer moved the ends since the repair read them (on 3.10 the
+            # call itself allocates a frame, which can start a collection).
+            return False
         block_type = self._block_type
+        num = self._num_free_blocks
+        # A bound queue's pool is checked in a pass of its own, which leaves the
+        # linking loop as it is for an unbound one: the loop stops where it found
+        # the first block of another pool, and that block fails there.
+        run = blocks if self._pool is None else self._pool_prefix(blocks)
         prev: Any = left
         try:
-            for block in blocks:
-                if type(block) is not block_type and not is_subtype(type(block), block_type):
+            for block in run:
+                if type(block) is not block_type and not is_block(block, block_type):
                     break
                 if block.prev_free_block is not None or block.next_free_block is not None:
                     break
@@ -349,61 +420,144 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 prev.next_free_block = block
                 prev = block
             else:
-                prev.next_free_block = right
-                right.prev_free_block = prev
-                self._num_free_blocks += len(blocks)
-                return
+                if run is blocks:
+                    prev.next_free_block = right
+                    right.prev_free_block = prev
+                    self._num_free_blocks = num + len(blocks)
+                    return True
+                block = blocks[len(run)]
+            position = self._undo(left, (), right, blocks)
         except BaseException:
-            _unlink_run(blocks[0], prev, left, right)
+            self._undo(left, (), right, blocks)
+            self._num_free_blocks = num
             raise
-        position = _unlink_run(blocks[0], prev, left, right)
-        if type(block) is not block_type and not is_subtype(type(block), block_type):
-            raise _errors.not_a_block(block, block_type, f"{method}()")
-        if self._on_misuse == "repair" and not screened:
-            return self._link_repaired(method, blocks)
-        raise _errors.already_linked(method, block, blocks, position, (self._head, self._tail))
+        if type(block) is not block_type and not is_block(block, block_type):
+            raise _core.not_a_block(block, block_type, f"{method}()")
+        linked = block.prev_free_block is not None or block.next_free_block is not None
+        if not linked and self._pool is not None:
+            block.pool  # type: ignore[attr-defined]  # noqa: B018 (unset: AttributeError)
+        kind = _core.link_misuse(block, blocks, position, linked, (self._head, self._tail))
+        if screened:
+            return False
+        if self._on_misuse == "repair":
+            self._link_repaired(method, blocks)
+            return True
+        raise _core.misuse(method, kind, block)
 
-    def _link_repaired(self, method: str, blocks: tuple[B, ...] | list[B]) -> None:
+    def _pool_prefix(self, blocks: Sequence[B]) -> Sequence[B]:
+        """``blocks`` if all are blocks of the pool, else those before the first that
+        is not (the compiled twin's ``_pool_run`` gives that index)."""
+        block_type = self._block_type
+        pool = self._pool
+        for i, block in enumerate(blocks):
+            if not is_block(block, block_type) or getattr(block, "pool", None) is not pool:
+                return blocks[:i]
+        return blocks
+
+    def _link_repaired(self, method: str, blocks: Sequence[B]) -> None:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
 
         Raises TypeError, with nothing linked, if the batch holds a non-block.
+        Screens again if a block it found free was linked before it could link
+        it (a finalizer run between the two passes may free one).
         """
+        while True:
+            good, skipped = self._screen(method, blocks)
+            if not good:
+                break
+            head: Any = self._head
+            tail: Any = self._tail
+            if method == "prepend_n":
+                first = head.next_free_block
+                if first is None:
+                    raise AssertionError(_errors.HEAD_LOST)
+                if self._link(method, head, first, good, screened=True):
+                    break
+            else:
+                last = tail.prev_free_block
+                if last is None:
+                    raise AssertionError(_errors.TAIL_LOST)
+                if self._link(method, last, tail, good, screened=True):
+                    break
+        for block, kind in skipped:
+            self._misuse(method, block, kind)
+
+    def _screen(self, method: str, blocks: Sequence[B]) -> tuple[list[B], list[tuple[B, str]]]:
+        """The blocks of a batch that can be linked, and the rest with their misuse."""
         block_type = self._block_type
+        pool = self._pool
         sentinels = (self._head, self._tail)
         seen: set[int] = set()
         good: list[B] = []
         skipped: list[tuple[B, str]] = []
         for block in blocks:
-            if type(block) is not block_type and not is_subtype(type(block), block_type):
-                raise _errors.not_a_block(block, block_type, f"{method}()")
+            if type(block) is not block_type and not is_block(block, block_type):
+                raise _core.not_a_block(block, block_type, f"{method}()")
             if block is sentinels[0] or block is sentinels[1]:
                 skipped.append((block, "sentinel"))
             elif id(block) in seen:
                 skipped.append((block, "duplicate"))
             elif block.prev_free_block is not None or block.next_free_block is not None:
                 skipped.append((block, "linked"))
+            elif pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
+                skipped.append((block, "other_pool"))
             else:
                 seen.add(id(block))
                 good.append(block)
-        if good:
-            # The ends as they are now, as the compiled twin reads them (there,
-            # a finalizer run by the screening's allocations may move them).
-            head: Any = self._head
-            tail: Any = self._tail
-            if method == "prepend_n":
-                self._link(method, head, head.next_free_block, good, screened=True)
-            else:
-                self._link(method, tail.prev_free_block, tail, good, screened=True)
-        for block, kind in skipped:
-            self._misuse(method, block, kind, None)
+        return good, skipped
 
-    def _misuse(self, method: str, block: B, kind: str, error: Exception | None) -> None:
-        """Raise ``error`` under ``"raise"``; else count and report the repair."""
-        if self._on_misuse != "repair" and error is not None:
-            raise error
+    def _misuse(self, method: str, block: B, kind: str) -> None:
+        """Raise under ``"raise"``; else count and report the repair. The message
+        is made only here, when it is needed."""
+        if self._on_misuse != "repair":
+            raise _core.misuse(method, kind, block)
         count = self._repairs[kind] + 1
         self._repairs[kind] = count
         _policy.report(method, block, kind, count)
+
+    def _undo(self, left: Any, run: Sequence[Any], right: Any, partial: Sequence[Any] = ()) -> int:
+        """Put the list between ``left`` and ``right`` back as it was: ``run`` linked
+        between them, the blocks of ``partial`` that this call linked (those from the
+        first whose ``prev_free_block`` is the block before them) out. How many of
+        ``partial`` it took out.
+
+        Every write is absolute, so that it is right however far the call got. The
+        loops index instead of iterating: an iterator is an allocation, which can
+        start a collection whose finalizers would see the list half restored.
+        """
+        prev = left
+        i = 0
+        while i < len(run):
+            block = run[i]
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+            i += 1
+        prev.next_free_block = right
+        if right is not None:  # None: popleft_n found the list broken there
+            right.prev_free_block = prev
+        block_type = self._block_type
+        prev = left
+        i = 0
+        while i < len(partial):
+            block = partial[i]
+            if block is right or (
+                type(block) is not block_type and not is_block(block, block_type)
+            ):
+                break
+            if block.prev_free_block is not prev:
+                break
+            prev = block
+            i += 1
+        taken = i
+        # From the last: a block keeps its prev_free_block until its turn, so that
+        # an undo cut short by an exception finds the rest when it is run again.
+        while i > 0:
+            i -= 1
+            block = partial[i]
+            block.next_free_block = None
+            block.prev_free_block = None
+        return taken
 
     def get_all_free_blocks(self, /) -> list[B]:
         """All free blocks in eviction order (a snapshot). O(n).
@@ -432,8 +586,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if cursor is None:
             return self._iter_after(self._head)
         block_type = self._block_type
-        if type(cursor) is not block_type and not is_subtype(type(cursor), block_type):
-            raise _errors.not_a_block(cursor, block_type, "iter_blocks_after()")
+        if type(cursor) is not block_type and not is_block(cursor, block_type):
+            raise _core.not_a_block(cursor, block_type, "iter_blocks_after()")
         return self._iter_after(cursor)
 
     def _iter_after(self, curr: Any) -> Iterator[B]:
@@ -455,67 +609,9 @@ class FreeKVCacheBlockQueue(Generic[B]):
         raise TypeError(_errors.UNCOPYABLE)
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_head"):
+            return f"<{type(self).__qualname__} num_free_blocks=0 block_type=uninitialized>"
         return (
             f"<{type(self).__qualname__} num_free_blocks={self._num_free_blocks} "
             f"block_type={self._block_type.__qualname__}>"
         )
-
-
-def _first_block_type(blocks: tuple[B, ...] | list[B]) -> type[B]:
-    """The class of ``blocks[0]``, if the queue can thread it; else TypeError naming it."""
-    block_type = type(blocks[0])
-    try:
-        return check_block_type(block_type)
-    except TypeError as exc:
-        raise _errors.not_a_first_block(blocks[0], exc) from None
-
-
-def _common_pool(block_type: type, blocks: tuple[B, ...] | list[B]) -> object:
-    """The ``pool`` all ``blocks`` share, or None: it binds the queue to that pool."""
-    if not blocks or type(getattr(block_type, "pool", None)) is not MemberDescriptorType:
-        return None
-    pool = getattr(blocks[0], "pool", None)
-    if pool is None or any(getattr(block, "pool", None) is not pool for block in blocks):
-        return None
-    return pool
-
-
-def _as_sequence(blocks: Iterable[B], method: str) -> tuple[B, ...] | list[B]:
-    """``blocks`` as a list or tuple, as C's ``PySequence_Fast`` gives it.
-
-    Any other iterable is materialized before the first link is touched, so
-    that its side effects cannot run in the middle of an update.
-    """
-    if type(blocks) is list or type(blocks) is tuple:
-        return blocks
-    try:
-        iterator = iter(blocks)
-    except TypeError:
-        raise TypeError(_errors.not_iterable(method)) from None
-    return list(iterator)
-
-
-def _unlink_run(first: Any, last: Any, left: Any, right: Any) -> int:
-    """Undo a partial ``_link`` of the run ``first`` .. ``last``; its length."""
-    left.next_free_block = right
-    if last is left:
-        return 0
-    count = 1
-    block = first
-    while block is not last:
-        next_block = block.next_free_block
-        block.prev_free_block = block.next_free_block = None
-        block = next_block
-        count += 1
-    last.prev_free_block = last.next_free_block = None
-    return count
-
-
-def _relink(head: Any, popped: list[Any], rest: Any) -> None:
-    """Undo a partial ``popleft_n``: ``popped`` were linked from ``head`` to ``rest``."""
-    prev = head
-    for block in popped:
-        block.prev_free_block = prev
-        prev.next_free_block = block
-        prev = block
-    prev.next_free_block = rest

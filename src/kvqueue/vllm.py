@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _policy, _pool_guard
+from . import _env, _policy, _pool_guard
 from ._block import check_block_type
 from ._pool_guard import pool_repairs
 
@@ -84,12 +84,13 @@ KNOWN_BLOCK_FIELDS: tuple[str, ...] = (
 )
 
 #: The variable that turns :func:`plugin` on, and names the implementation.
-ENV = "KVQUEUE_VLLM"
+ENV = _env.VLLM
 #: ``0`` turns the pool guard off (the plugin reads it; install() takes ``pool_guard``).
-POOL_GUARD_ENV = "KVQUEUE_POOL_GUARD"
+POOL_GUARD_ENV = _env.POOL_GUARD
 #: ``1``: the plugin installs over another project's patch (install()'s ``wrap_foreign``).
-WRAP_FOREIGN_ENV = "KVQUEUE_WRAP_FOREIGN"
-_PLUGIN_CHOICES: dict[str, Implementation] = {
+WRAP_FOREIGN_ENV = _env.WRAP_FOREIGN
+_PLUGIN_CHOICES: dict[str, Implementation | None] = {
+    "0": None,
     "1": "auto",
     "auto": "auto",
     "cython": "cython",
@@ -428,20 +429,15 @@ def plugin_settings() -> dict[str, Any] | None:
     or an application's own :func:`install` policy stays), ``pool_guard``, ``wrap_foreign``.
     Raises ValueError, naming the variable and its values, for a value none of them takes.
     """
-    choice = os.environ.get(ENV, "")
-    if choice in ("", "0"):
+    implementation = _env.choice(ENV, _PLUGIN_CHOICES, None)
+    if implementation is None:
         return None
-    if choice not in _PLUGIN_CHOICES:
-        raise ValueError(
-            f"{ENV} must be one of {', '.join(sorted(_PLUGIN_CHOICES))} (or unset, 0), "
-            f"not {choice!r}"
-        )
     policy = _policy.resolve(None) if os.environ.get(_policy.ENV) else installed_policy()
     return {
-        "implementation": _PLUGIN_CHOICES[choice],
+        "implementation": implementation,
         "on_misuse": policy,
-        "pool_guard": _flag(POOL_GUARD_ENV, default=True),
-        "wrap_foreign": _flag(WRAP_FOREIGN_ENV, default=False),
+        "pool_guard": _env.flag(POOL_GUARD_ENV, default=True),
+        "wrap_foreign": _env.flag(WRAP_FOREIGN_ENV),
     }
 
 
@@ -476,15 +472,6 @@ def plugin() -> None:
             "on (" + ", ".join(after["guarded"]) + ")" if after["pool_guard"] else "off",
             after["on_misuse"] or _policy.resolve(None),
         )
-
-
-def _flag(variable: str, *, default: bool) -> bool:
-    value = os.environ.get(variable, "")
-    if value == "":
-        return default
-    if value in ("0", "1"):
-        return value == "1"
-    raise ValueError(f"{variable} must be 1 or 0 (or unset), not {os.environ[variable]!r}")
 
 
 class _ToVLLMLog(logging.Handler):

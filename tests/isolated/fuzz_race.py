@@ -10,11 +10,16 @@ Usage: python fuzz_race.py TWIN SEED OPS (OPS: link/pop rounds)
 
 from __future__ import annotations
 
+import support_path  # noqa: F401  (this program runs as a script)
+
+# isort: split
+
 import threading
 from contextlib import suppress
 from typing import Any
 
-from fuzz_common import Stats, main, twin
+from fuzz_common import Stats, main
+from twins import twin
 
 from kvqueue import KVCacheBlock
 

@@ -13,6 +13,10 @@ Usage: python fuzz_diff.py TWIN SEED OPS (TWIN is ignored: both twins run).
 
 from __future__ import annotations
 
+import support_path  # noqa: F401  (this program runs as a script)
+
+# isort: split
+
 import gc
 import random
 from collections.abc import Callable, Iterable, Iterator
@@ -20,7 +24,8 @@ from itertools import islice
 from typing import Any
 from weakref import WeakValueDictionary
 
-from fuzz_common import Outcome, Stats, detached, ids, main, outcome, twin, well_formed
+from fuzz_common import Outcome, Stats, detached, ids, main, outcome, well_formed
+from twins import twin
 
 from kvqueue import KVCacheBlock
 

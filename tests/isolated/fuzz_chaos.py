@@ -26,6 +26,10 @@ Usage: python fuzz_chaos.py TWIN SEED OPS
 
 from __future__ import annotations
 
+import support_path  # noqa: F401  (this program runs as a script)
+
+# isort: split
+
 import copy
 import gc
 import logging
@@ -37,7 +41,8 @@ from itertools import islice
 from typing import Any
 
 from blocks import VllmStyleBlock
-from fuzz_common import Stats, main, twin, well_formed
+from fuzz_common import Stats, main, well_formed
+from twins import twin
 
 from kvqueue import KVCacheBlock, _policy
 

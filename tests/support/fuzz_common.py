@@ -8,21 +8,13 @@ one JSON line of counters on success.
 from __future__ import annotations
 
 import gc
-import importlib
 import json
 import sys
 from collections.abc import Callable, Iterable
-from types import ModuleType
 from typing import Any
-
-TWINS = {"c": "kvqueue._queue", "py": "kvqueue._queue_py"}
 
 Outcome = tuple[Any, ...]
 Stats = dict[str, int]
-
-
-def twin(name: str) -> ModuleType:
-    return importlib.import_module(TWINS[name])
 
 
 def main(program: Callable[[str, int, int], Stats]) -> None:

@@ -12,13 +12,18 @@ Usage: python fuzz_threads.py TWIN SEED OPS (OPS per thread)
 
 from __future__ import annotations
 
+import support_path  # noqa: F401  (this program runs as a script)
+
+# isort: split
+
 import random
 import sys
 import threading
 from itertools import islice
 from typing import Any
 
-from fuzz_common import Stats, main, twin
+from fuzz_common import Stats, main
+from twins import twin
 
 from kvqueue import KVCacheBlock
 

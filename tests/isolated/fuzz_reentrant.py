@@ -17,13 +17,18 @@ Usage: python fuzz_reentrant.py TWIN SEED OPS
 
 from __future__ import annotations
 
+import support_path  # noqa: F401  (this program runs as a script)
+
+# isort: split
+
 import gc
 import random
 from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
-from fuzz_common import Stats, main, twin, well_formed
+from fuzz_common import Stats, main, well_formed
+from twins import twin
 
 from kvqueue import KVCacheBlock
 

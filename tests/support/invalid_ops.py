@@ -51,11 +51,9 @@ def _popped(mod: ModuleType, n: int = 4, take: int = 2) -> tuple[Any, list[Any],
     return queue, blocks, queue.popleft_n(take)
 
 
-def _repr(block_id: int, prev: int | None = None, next_: int | None = None) -> str:
-    return (
-        f"KVCacheBlock(block_id={block_id}, ref_cnt=0, _block_hash=None, "
-        f"_block_hash_num_tokens=None, prev_free_block={prev}, next_free_block={next_})"
-    )
+def _repr(block_id: int) -> str:
+    """How a message names a block: bounded, never through the block's own repr."""
+    return f"KVCacheBlock(block_id={block_id})"
 
 
 TAIL_LOST = "prev_free_block of fake_free_list_tail should always exist"
@@ -355,7 +353,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         remove_head,
         Expected(
             RuntimeError,
-            "remove() called on an invalid block: " + _repr(-1, None, 0),
+            "remove() called on an invalid block: " + _repr(-1),
             repair=Repair("remove", {"not_linked": 1}, (0,)),
         ),
     ),
@@ -363,7 +361,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         remove_tail,
         Expected(
             RuntimeError,
-            "remove() called on an invalid block: " + _repr(-1, 0, None),
+            "remove() called on an invalid block: " + _repr(-1),
             repair=Repair("remove", {"not_linked": 1}, (0,)),
         ),
     ),
@@ -375,7 +373,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_linked,
         Expected(
             ValueError,
-            "append() " + LINKED + _repr(1, 0, 2),
+            "append() " + LINKED + _repr(1),
             repair=Repair("append", {"linked": 1}, (0, 1, 2)),
         ),
     ),
@@ -383,7 +381,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_block_of_another_queue,
         Expected(
             ValueError,
-            "append() " + LINKED + _repr(0, -1, 1),
+            "append() " + LINKED + _repr(0),
             repair=Repair("append", {"linked": 1}, (0, 1, 2)),
         ),
     ),
@@ -391,7 +389,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_head,
         Expected(
             ValueError,
-            "append() " + SENTINEL + _repr(-1, None, 0),
+            "append() " + SENTINEL + _repr(-1),
             repair=Repair("append", {"sentinel": 1}, (0, 1, 2)),
         ),
     ),
@@ -399,7 +397,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_tail,
         Expected(
             ValueError,
-            "append() " + SENTINEL + _repr(-1, 2, None),
+            "append() " + SENTINEL + _repr(-1),
             repair=Repair("append", {"sentinel": 1}, (0, 1, 2)),
         ),
     ),
@@ -407,7 +405,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_sentinel_of_another_queue,
         Expected(
             ValueError,
-            "append() " + LINKED + _repr(-1, 2, None),
+            "append() " + LINKED + _repr(-1),
             repair=Repair("append", {"linked": 1}, (0, 1, 2)),
         ),
     ),
@@ -416,8 +414,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_other_block_class,
         Expected(
             TypeError,
-            "append(): expected a KVCacheBlock, got VllmStyleBlock VllmStyleBlock(block_id=9, ",
-            exact=False,
+            "append(): expected a KVCacheBlock, got VllmStyleBlock(block_id=9)",
         ),
     ),
     "append_n_duplicate": (
@@ -444,7 +441,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_n_linked_in_batch,
         Expected(
             ValueError,
-            "append_n() " + LINKED + _repr(3, 2, -1),
+            "append_n() " + LINKED + _repr(3),
             repair=Repair("append_n", {"linked": 1}, (2, 3, 0, 1)),
         ),
     ),
@@ -452,7 +449,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         append_n_sentinel,
         Expected(
             ValueError,
-            "append_n() " + SENTINEL + _repr(-1, 3, None),
+            "append_n() " + SENTINEL + _repr(-1),
             repair=Repair("append_n", {"sentinel": 1}, (2, 3, 0)),
         ),
     ),
@@ -476,7 +473,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         prepend_n_linked_first,
         Expected(
             ValueError,
-            "prepend_n() " + LINKED + _repr(2, -1, 3),
+            "prepend_n() " + LINKED + _repr(2),
             repair=Repair("prepend_n", {"linked": 1}, (0, 2, 3)),
         ),
     ),
@@ -484,7 +481,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         remove_block_of_another_pool,
         Expected(
             ValueError,
-            "remove() called on a block of another pool's queue: " + _repr(1, 0, 2),
+            "remove() called on a block of another pool's queue: " + _repr(1),
             repair=Repair("remove", {"other_pool": 1}, (0, 1, 2)),
         ),
     ),
@@ -536,7 +533,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         construct_over_linked_block,
         Expected(
             ValueError,
-            "FreeKVCacheBlockQueue() " + LINKED + _repr(0, -1, 1),
+            "FreeKVCacheBlockQueue() " + LINKED + _repr(0),
             repair=Repair("FreeKVCacheBlockQueue", {"linked": 1}, (3,)),
         ),
     ),

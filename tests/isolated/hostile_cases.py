@@ -5,6 +5,10 @@ test_hostile.py in its own process (a crash must fail one test, not the run).
 
 from __future__ import annotations
 
+import support_path  # noqa: F401  (this program runs as a script)
+
+# isort: split
+
 import gc
 import importlib
 from contextlib import suppress
@@ -159,7 +163,46 @@ def dying_cursor_block_advances_the_cursor(name: str) -> None:
     assert well_formed(queue) is None
 
 
+def constructor_reenters_init(name: str) -> None:
+    """The sentinels' constructor finds the half-built queue and calls __init__
+    on it with a class of other slot offsets (the compiled twin then wrote the
+    sentinels' links past the end of the object)."""
+    mod = importlib.import_module(name)
+    queue_type = mod.FreeKVCacheBlockQueue
+    refused: list[str] = []
+
+    class Other:
+        __slots__ = (*(f"a{i:02d}" for i in range(10)), "next_free_block", "prev_free_block")
+        block_id = -1
+
+        def __init__(self, block_id: int) -> None:
+            self.prev_free_block = self.next_free_block = None
+
+    class Evil(KVCacheBlock):
+        __slots__ = ()
+
+        def __init__(self, block_id: int, **kwargs: Any) -> None:
+            super().__init__(block_id, **kwargs)
+            if block_id != -1:
+                return
+            for obj in gc.get_objects():
+                if type(obj) is queue_type and "uninitialized" in repr(obj):
+                    try:
+                        obj.__init__([Other(0)], block_type=Other)
+                    except RuntimeError as exc:
+                        refused.append(str(exc))
+
+    blocks = [Evil(0), Evil(1)]
+    queue = mod.FreeKVCacheBlockQueue(blocks)
+    assert refused, "the nested __init__ never ran"
+    assert all("being initialized" in message for message in refused), refused
+    assert queue.block_type is Evil
+    assert well_formed(queue) is None, well_formed(queue)
+    assert queue.get_all_free_blocks() == blocks
+
+
 CASES = (
+    "constructor_reenters_init",
     "collect_inside_popleft_n",
     "collect_inside_get_all_free_blocks",
     "repr_finds_the_half_built_result",

@@ -1,0 +1,165 @@
+"""What both twins share, importing neither: how arguments are parsed, which
+blocks and pools a queue takes, how a count is validated and how a block is
+named in a message. A twin's own module holds only how it threads the list.
+
+Everything here that reads a block or its class runs no Python code of theirs
+(no ``__repr__``, property, ``__index__`` of a block or metaclass hook), so a
+twin may call it between reading its state and writing it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from operator import index
+from types import MemberDescriptorType, NoneType
+from typing import Any, TypeVar
+
+from . import _errors
+from ._block import check_block_type, is_block, is_subtype, layout_change, lookup
+
+__all__ = (
+    "as_sequence",
+    "common_pool",
+    "constructor_arguments",
+    "count",
+    "describe",
+    "first_block_type",
+    "link_misuse",
+    "misuse",
+    "not_a_block",
+)
+
+T = TypeVar("T")
+
+_qualname = type.__dict__["__qualname__"].__get__
+_BOUND = slice(0, 80)
+
+
+def constructor_arguments(
+    self: object, blocks: Any, *, block_type: Any = None, on_misuse: Any = None
+) -> tuple[Any, Any, Any]:
+    return blocks, block_type, on_misuse
+
+
+# Named as the pure twin's __init__: the compiled twin parses its arguments with
+# it, so a wrong call gets the interpreter's own message, worded as on that twin.
+constructor_arguments.__qualname__ = "FreeKVCacheBlockQueue.__init__"
+constructor_arguments.__name__ = "__init__"
+
+
+def as_sequence(blocks: Iterable[T], method: str) -> list[T] | tuple[T, ...]:
+    """``blocks`` as a list or tuple, as C's ``PySequence_Fast`` gives it.
+
+    Any other iterable is materialized before the first link is touched, so
+    that its side effects cannot run in the middle of an update.
+    """
+    if type(blocks) is list or type(blocks) is tuple:
+        return blocks
+    try:
+        iterator = iter(blocks)
+    except TypeError:
+        raise _errors.not_iterable(method) from None
+    return list(iterator)
+
+
+def first_block_type(blocks: Sequence[Any]) -> type:
+    """The class of ``blocks[0]``, if the queue can thread it; else TypeError naming it."""
+    block_type = type(blocks[0])
+    try:
+        return check_block_type(block_type)
+    except TypeError as exc:
+        raise _errors.not_a_first_block(_name(block_type), exc) from None
+
+
+def common_pool(block_type: type, blocks: Sequence[Any]) -> object:
+    """The ``pool`` all ``blocks`` share, or None: it binds the queue to that pool.
+
+    Read through ``block_type``'s slot, never a block's own attribute; a block the
+    queue cannot thread unbinds it (the build then refuses that block anyway).
+    """
+    slot = lookup(block_type, "pool")
+    if not blocks or type(slot) is not MemberDescriptorType:
+        return None
+    pool = None
+    for block in blocks:
+        if not is_block(block, block_type):
+            return None
+        try:
+            block_pool = slot.__get__(block, block_type)
+        except AttributeError:
+            return None
+        if block_pool is None or (pool is not None and block_pool is not pool):
+            return None
+        pool = block_pool
+    return pool
+
+
+def count(value: object) -> int:
+    """``value`` as a new ``num_free_blocks``: an int from 0 to ``sys.maxsize``."""
+    try:
+        num = int.__index__(index(value))  # type: ignore[arg-type]
+    except TypeError:
+        raise _errors.count_not_an_integer(_name(type(value))) from None
+    if not 0 <= num <= sys.maxsize:
+        raise _errors.count_out_of_range(num)
+    return num
+
+
+def describe(obj: object) -> str:
+    """``obj`` for a message, bounded, and without calling anything of its own: a
+    block's ``__repr__`` may walk the links (vLLM's dataclass does) or raise."""
+    cls = type(obj)
+    name = _name(cls)
+    if cls is NoneType or cls is bool or cls is float:
+        return f"{name} {obj!r}"
+    if cls is int:
+        return f"{name} {_errors.number(obj)}"  # type: ignore[arg-type]
+    if cls is str:
+        return f"{name} {str.__repr__(str.__getitem__(obj, _BOUND))}"  # type: ignore[index]
+    slot = lookup(cls, "block_id")
+    if type(slot) is MemberDescriptorType:
+        try:
+            block_id = slot.__get__(obj, cls)
+        except (AttributeError, TypeError):
+            block_id = None
+        if type(block_id) is int:
+            return f"{name}(block_id={_errors.number(block_id)})"
+    return f"{name} object at {id(obj):#x}"
+
+
+def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
+    why = ""
+    if is_subtype(type(obj), block_type):
+        changed = layout_change(type(obj), block_type)
+        why = (
+            f", whose class redefines {changed} (the queue reads and writes "
+            f"{_name(block_type)}'s own)"
+        )
+    return _errors.not_a_block(describe(obj), _name(block_type), where, why)
+
+
+def corrupted(where: str, obj: object) -> RuntimeError:
+    return _errors.corrupted(where, describe(obj))
+
+
+def link_misuse(
+    block: object, batch: Sequence[object], position: int, linked: bool, sentinels: tuple[Any, Any]
+) -> str:
+    """Which misuse stopped a batch at ``batch[position]`` (a block of the queue's
+    class): the kind ``_policy.KINDS`` names. ``linked``: the block has a link now,
+    with this call's own links undone."""
+    if block is sentinels[0] or block is sentinels[1]:
+        return "sentinel"
+    if any(block is other for other in batch[:position]):
+        return "duplicate"
+    return "linked" if linked else "other_pool"
+
+
+def misuse(method: str, kind: str, block: object) -> Exception:
+    """What a misuse of ``kind`` raises under ``"raise"``."""
+    return _errors.misuse(method, kind, describe(block))
+
+
+def _name(cls: type) -> str:
+    return str.__getitem__(_qualname(cls), _BOUND)

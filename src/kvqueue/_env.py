@@ -1,0 +1,62 @@
+"""The environment variables kvqueue reads, each with a closed set of values.
+
+A value outside its variable's set is refused with a ValueError that names the
+variable and what it takes: a typo (``KVQUEUE_PURE=false``, ``" 0"``) must not
+quietly select the opposite of what was meant. Unset and empty mean the default.
+Imports nothing of kvqueue: ``setup.py`` loads this file on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TypeVar
+
+__all__ = (
+    "FLAG",
+    "MISUSE_POLICY",
+    "POOL_GUARD",
+    "PURE",
+    "USER",
+    "VLLM",
+    "WRAP_FOREIGN",
+    "choice",
+    "flag",
+)
+
+T = TypeVar("T")
+
+#: Selects the pure twin at import and builds a pure wheel at install.
+PURE = "KVQUEUE_PURE"
+#: The misuse policy of a queue built with ``on_misuse=None``.
+MISUSE_POLICY = "KVQUEUE_ON_MISUSE"
+#: Turns the vLLM plugin on, and names the twin it installs (kvqueue.vllm).
+VLLM = "KVQUEUE_VLLM"
+#: ``0`` leaves vLLM's BlockPool unguarded when the plugin installs.
+POOL_GUARD = "KVQUEUE_POOL_GUARD"
+#: ``1``: the plugin installs over another project's patch of vLLM.
+WRAP_FOREIGN = "KVQUEUE_WRAP_FOREIGN"
+
+#: Every variable a user sets, in the order ``python -m kvqueue`` and the README list them.
+USER = (VLLM, MISUSE_POLICY, POOL_GUARD, WRAP_FOREIGN, PURE)
+
+#: The values of an on/off variable.
+FLAG: Mapping[str, bool] = {"1": True, "0": False}
+
+
+def choice(name: str, values: Mapping[str, T], default: T) -> T:
+    """The value that variable ``name`` selects from ``values``; ``default`` if it is
+    unset or empty. Raises ValueError for anything else, listing ``values``."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return values[raw]
+    except KeyError:
+        accepted = ", ".join(repr(key) for key in values)
+        raise ValueError(f"{name} must be one of {accepted} (or unset), not {raw[:80]!r}") from None
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """Variable ``name`` as a switch: ``1`` on, ``0`` off, unset or empty ``default``."""
+    return choice(name, FLAG, default)
