@@ -42,11 +42,14 @@ def report() -> tuple[dict[str, Any], list[str]]:
         "why": _why(),
         "environment": {name: os.environ.get(name) for name in _env.USER},
     }
-    for check in (lambda: _policy.resolve(None), lambda: _env.flag(_env.PURE)):
-        try:
-            check()
-        except ValueError as exc:
-            problems.append(str(exc))
+    try:
+        _policy.resolve(None)
+    except ValueError as exc:
+        problems.append(str(exc))
+    try:
+        _env.flag(_env.PURE)
+    except ValueError as exc:
+        problems.append(str(exc))
     facts["vllm"] = _vllm(problems)
     return facts, problems
 
