@@ -125,10 +125,7 @@ def _free_guard(original: Callable[..., Any], screen: ModuleType, policy_of: Pol
             return original(self, blocks, *args, **kwargs)
         notes: list[_Note] = []
         blocks = _excess(self, blocks, method, policy_of(self), notes)
-        try:
-            return original(self, blocks, *args, **kwargs)
-        finally:
-            _log(notes)
+        return _then_log(notes, original, self, blocks, *args, **kwargs)
 
     return _mark(original, guarded)
 
@@ -143,10 +140,7 @@ def _touch_guard(original: Callable[..., Any], screen: ModuleType, policy_of: Po
             return original(self, blocks, *args, **kwargs)
         notes: list[_Note] = []
         _negative(self, blocks, i, policy_of(self), notes)
-        try:
-            return original(self, blocks, *args, **kwargs)
-        finally:
-            _log(notes)
+        return _then_log(notes, original, self, blocks, *args, **kwargs)
 
     return _mark(original, touch)
 
@@ -162,10 +156,7 @@ def _alloc_guard(original: Callable[..., Any], screen: ModuleType, policy_of: Po
             if block is not None:
                 notes: list[_Note] = []
                 _held_free(self, num_blocks, block, first_held_free, policy_of(self), notes)
-                try:
-                    return original(self, num_blocks, *args, **kwargs)
-                finally:
-                    _log(notes)
+                return _then_log(notes, original, self, num_blocks, *args, **kwargs)
         return original(self, num_blocks, *args, **kwargs)
 
     return _mark(original, get_new_blocks)
@@ -279,6 +270,14 @@ def _repaired(pool: Any, method: str, block: Any, kind: str, notes: list[_Note])
         counts = _repairs[pool] = dict.fromkeys(KINDS, 0)
     counts[kind] += 1
     notes.append((_call(method), kind, counts[kind], block.block_id, KINDS[kind], _where(pool)))
+
+
+def _then_log(notes: list[_Note], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """vLLM's method, then the repairs' log lines (even if it raised)."""
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _log(notes)
 
 
 def _log(notes: list[_Note]) -> None:
