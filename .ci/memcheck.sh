@@ -92,7 +92,7 @@ if ((full)); then
 else
     vg "$PY" -m pytest -q -p no:cacheprovider -m c_extension \
         tests/test_invalid.py tests/test_policy.py::test_invalid_operation_under_each_policy \
-        tests/test_hostile.py
+        tests/test_hostile.py tests/test_screen.py
 fi
 
 section "findings"
