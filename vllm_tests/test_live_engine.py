@@ -273,3 +273,20 @@ def test_vllm_serve_answers_completions_with_kvqueue(tmp_path: Path) -> None:
     (start,) = [e for e in events if e["event"] == "started"]
     assert start["queue"] == "kvqueue._queue.FreeKVCacheBlockQueue"
     assert not [e for e in events if e["event"] in ("violation", "died")]
+
+
+@needs_guard
+def test_kvqueue_speaks_in_the_engine_cores_own_log(runs: Runs) -> None:
+    """The active line and the repairs, in vLLM's format, from the engine core's process."""
+    run = runs.get(SETTING["cython"], "repair", "AB", inject_count=2)
+    prefix = r"\(EngineCore pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
+    active = prefix.format("INFO", r"vllm\.py") + (
+        r"kvqueue \S+ active: vLLM's free block queue is kvqueue's cython twin, "
+        r"pool guard on \(.*\), on_misuse=repair"
+    )
+    repaired = prefix.format("WARNING", r"_pool_guard\.py") + (
+        r"BlockPool\.(free_blocks|get_new_blocks|touch)\(\) repaired a double free"
+    )
+    lines = run.output.splitlines()
+    assert any(re.search(active, line) for line in lines), run.output[-3000:]
+    assert any(re.search(repaired, line) for line in lines), run.output[-3000:]
