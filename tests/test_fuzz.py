@@ -1,8 +1,8 @@
 """The fuzz programs, each seed in its own process: a crash or a hang fails one test.
 
 Fast by default: 3 seeds of a few thousand operations per program and twin.
-The long mode, ``KVQUEUE_FUZZ_LONG=1``, runs 25 seeds of 7 times as many;
-``KVQUEUE_FUZZ_SEED`` moves the seeds (a failure names its seed).
+The long mode, ``KVQUEUE_CI_FUZZ_LONG=1``, runs 25 seeds of 7 times as many;
+``KVQUEUE_CI_FUZZ_SEED`` moves the seeds (a failure names its seed).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 ISOLATED = Path(__file__).parent / "isolated"
-LONG = os.environ.get("KVQUEUE_FUZZ_LONG", "") not in ("", "0")
-FIRST_SEED = int(os.environ.get("KVQUEUE_FUZZ_SEED", "0"))
+LONG = os.environ.get("KVQUEUE_CI_FUZZ_LONG", "") not in ("", "0")
+FIRST_SEED = int(os.environ.get("KVQUEUE_CI_FUZZ_SEED", "0"))
 SEEDS = range(FIRST_SEED, FIRST_SEED + (25 if LONG else 3))
 # Operations per program run; the timeout is far above any normal run.
 OPS = {

@@ -6,7 +6,7 @@ reference to its class, so a leaked block shows), ``len(gc.get_objects())``
 and tracemalloc's traced total. Queues and blocks that only reference each
 other must be collected by ``gc.collect()``, checked with weakrefs.
 
-Default sizes keep the file to a few seconds; ``KVQUEUE_FUZZ_LONG=1`` runs the
+Default sizes keep the file to a few seconds; ``KVQUEUE_CI_FUZZ_LONG=1`` runs the
 issue's full sizes (a million cycles, a thousand queues) on both twins.
 """
 
@@ -28,7 +28,7 @@ from blocks import SubBlock, VllmStyleBlock
 
 from kvqueue import KVCacheBlock
 
-LONG = os.environ.get("KVQUEUE_FUZZ_LONG", "") not in ("", "0")
+LONG = os.environ.get("KVQUEUE_CI_FUZZ_LONG", "") not in ("", "0")
 
 # The allocator's free lists and caches warmed up before the baseline, the
 # counts come back exactly; a few objects of slack (gc.get_objects) and 32 KiB

@@ -1,4 +1,4 @@
-"""kvqueue.vllm on a fake vLLM module tree (the real vLLM: bench/engine_check.py, vllm_tests/)."""
+"""kvqueue.vllm on a fake vLLM module tree (the real vLLM: vllm_tests/)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """pytest plugin: run vLLM's own tests with kvqueue's queue dropped in (``-p kvqueue_plugin``).
 
-``--kvqueue=none|cython|python`` (default ``$KVQUEUE_TWIN``, else ``none``): with a twin,
+``--kvqueue=none|cython|python`` (default ``$KVQUEUE_CI_TWIN``, else ``none``): with a twin,
 ``kvqueue.vllm.install(twin, on_misuse=--kvqueue-on-misuse)`` runs before pytest imports
 vLLM's conftest files and test modules, so every name they import is the patched one.
 
@@ -40,7 +40,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--kvqueue",
         choices=TWINS,
-        default=os.environ.get("KVQUEUE_TWIN") or "none",
+        default=os.environ.get("KVQUEUE_CI_TWIN") or "none",
         help="queue under vLLM: its own (none) or a kvqueue twin",
     )
     group.addoption(
