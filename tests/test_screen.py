@@ -16,28 +16,30 @@ POOL = object()
 OTHER = object()
 
 
-class Block:
-    """A vLLM-shaped block: only what the screens read."""
+def _block_init(self: Any, ref_cnt: int, *, is_null: bool = False, pool: object = POOL) -> None:
+    self.ref_cnt = ref_cnt
+    self.is_null = is_null
+    self.pool = pool
+    self.prev_free_block = None
+    self.next_free_block = None
 
-    def __init__(self, ref_cnt: int, *, is_null: bool = False, pool: object = POOL) -> None:
-        self.ref_cnt = ref_cnt
-        self.is_null = is_null
-        self.pool = pool
-        self.prev_free_block: Any = None
-        self.next_free_block: Any = None
+
+class Block:
+    """A vLLM-shaped block, its fields in an instance dict: only what the screens read."""
+
+    ref_cnt: int
+    is_null: bool
+    pool: object
+    prev_free_block: Any
+    next_free_block: Any
+    __init__ = _block_init
 
 
 class SlottedBlock:
     """Laid out as vLLM's @dataclass(slots=True) block: the compiled screens read its slots."""
 
     __slots__ = ("is_null", "next_free_block", "pool", "prev_free_block", "ref_cnt")
-
-    def __init__(self, ref_cnt: int, *, is_null: bool = False, pool: object = POOL) -> None:
-        self.ref_cnt = ref_cnt
-        self.is_null = is_null
-        self.pool = pool
-        self.prev_free_block: Any = None
-        self.next_free_block: Any = None
+    __init__ = _block_init
 
 
 @pytest.fixture(params=[Block, SlottedBlock], ids=["dict", "slots"])
