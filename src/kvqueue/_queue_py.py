@@ -399,9 +399,15 @@ class FreeKVCacheBlockQueue(Generic[B]):
         blocks linked; ``screened`` marks that second pass, which returns
         False, with nothing linked, if one of them was linked meanwhile.
         """
-        if screened and (left.next_free_block is not right or right.prev_free_block is not left):
-            # A finalizer moved the ends since the repair read them (on 3.10 the
-            # call itself allocates a frame, which can start a collection).
+        # A finalizer moved the end since the repair read it from the sentinel (on
+        # 3.10 the call itself allocates a frame, which can start a collection).
+        # Only the sentinel's link is compared: the block's may be a caller's
+        # corruption, which no retry mends, and the compiled twin links there.
+        if screened and (
+            left.next_free_block is not right
+            if method == "prepend_n"
+            else right.prev_free_block is not left
+        ):
             return False
         block_type = self._block_type
         num = self._num_free_blocks

@@ -9,7 +9,9 @@ import support_path  # noqa: F401  (this program runs as a script)
 
 # isort: split
 
+import faulthandler
 import gc
+import logging
 import importlib
 from contextlib import suppress
 from types import ModuleType
@@ -201,6 +203,22 @@ def constructor_reenters_init(name: str) -> None:
     assert queue.get_all_free_blocks() == blocks
 
 
+def repair_at_a_forgotten_end(name: str) -> None:
+    """A repaired batch whose end block forgot its links: the pure twin's repair
+    re-screened it forever, waiting for an end that no finalizer would mend."""
+    mod = importlib.import_module(name)
+    faulthandler.dump_traceback_later(20, exit=True)  # a hang fails with its stack
+    logging.getLogger("kvqueue").addHandler(logging.NullHandler())
+    for method in ("append_n", "prepend_n"):
+        blocks = [KVCacheBlock(i) for i in range(3)]
+        queue = mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+        end = blocks[2] if method == "append_n" else blocks[0]
+        end.prev_free_block = end.next_free_block = None  # the caller's corruption
+        getattr(queue, method)([end, end])
+        assert queue.repairs["duplicate"] + queue.repairs["linked"] >= 1, queue.repairs
+    faulthandler.cancel_dump_traceback_later()
+
+
 CASES = (
     "constructor_reenters_init",
     "collect_inside_popleft_n",
@@ -209,6 +227,7 @@ CASES = (
     "metaclass_lends_a_foreign_slot",
     "constructor_shrinks_the_batch",
     "dying_cursor_block_advances_the_cursor",
+    "repair_at_a_forgotten_end",
 )
 # The pure twin can be re-entered by a collection between any two bytecodes,
 # as vLLM's own queue can: only the compiled twin promises these stay whole.
