@@ -11,8 +11,8 @@ import support_path  # noqa: F401  (this program runs as a script)
 
 import faulthandler
 import gc
-import logging
 import importlib
+import logging
 from contextlib import suppress
 from types import ModuleType
 from typing import Any
