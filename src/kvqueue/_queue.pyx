@@ -58,6 +58,9 @@ The deliberate differences, and why:
   failure.
 - The count is the true length plus an offset, and the int Python reads: an
   assigned count may exceed Py_ssize_t as the pure twin's int may.
+- A queue made by ``__new__`` alone refuses every method here with
+  RuntimeError (``_check``); the pure twin fails at its first read of an unset
+  slot, with AttributeError, so that its valid path pays for no check.
 - A bound queue checks its pool in a pass of its own (``_pool_run``), as the
   pure twin does (``_pool_prefix``), so that the unbound linking loop is
   unchanged; both stop at the same block.
@@ -748,6 +751,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         return _BlockIterator(self, self.fake_free_list_head)
 
     def __len__(self):
+        self._check()
         # The interpreter's own errors for the pure twin's int, however large.
         if self._offset > 0 and self._len > PY_SSIZE_T_MAX - self._offset:
             raise _errors.len_overflow()
