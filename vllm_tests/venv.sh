@@ -28,6 +28,10 @@ log() { printf 'vllm_tests/venv.sh: %s\n' "$*" >&2; }
 # The marker holds a hash of this recipe. A missing venv is built whole; a venv made by an
 # older recipe gets the packages added since (a venv in use is never deleted).
 recipe=$(cat "$0" "$here/requirements.py" "$here/vllm.env" | sha256sum | cut -d' ' -f1)
+# Two targets (or checkouts) may share the venv: one builds or installs at a time.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 pip=("$venv/bin/python" -m pip install -q)
 if [[ ! -f $venv/.ready ]]; then
     log "building $venv (once)"
@@ -54,7 +58,7 @@ if [[ $(cat "$venv/.ready" 2>/dev/null) != "$recipe" ]]; then
 fi
 
 # Cheap when nothing changed: the hash of kvqueue's build inputs decides.
-stamp=$(cd "$root" && cat pyproject.toml setup.py src/kvqueue/*.py src/kvqueue/*.pyx src/kvqueue/*.pyi 2>/dev/null | sha256sum | cut -d' ' -f1)
+stamp=$(cd "$root" && cat pyproject.toml setup.py src/kvqueue/*.py src/kvqueue/*.pyx src/kvqueue/*.pyi src/kvqueue/*.h 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$venv/.kvqueue-src" 2>/dev/null) != "$stamp" ]]; then
     log "installing kvqueue from $root"
     "$venv/bin/python" -m pip install -q --force-reinstall --no-deps --no-build-isolation "$root"
