@@ -1,10 +1,10 @@
 """The benchmark cases: what one timed cycle does, for a block queue and for the deque.
 
 A case turns a contender into a :class:`Bench`: ``prepare()`` (untimed) before every sample,
-``run(loops)`` (timed) repeating the cycle, and ``ids()`` for the cross-check that every
-contender of a case ends in the same order after the same cycles. Every contender gets its
-own blocks, since the queue links are stored in the blocks. The timed loops bind methods to
-locals first so that the harness adds the same small cost to every contender.
+``run(loops)`` (timed) repeating the cycle, and ``ids()``, the order every contender of a case
+must end in after the same cycles. Every contender gets its own blocks (the queue links live
+in them); the timed loops bind methods to locals first, so that the harness adds the same
+small cost to every contender.
 """
 
 from __future__ import annotations
@@ -55,26 +55,15 @@ class Case:
         return f"{self.name} @{self.pool}"
 
 
-def _queue_ids(queue: Any) -> list[int]:
-    return [block.block_id for block in queue.iter_blocks_after(None)]
-
-
-def _deque_ids(blocks: deque[Any]) -> list[int]:
+def _ids(queue: Any) -> list[int]:
+    blocks = queue if isinstance(queue, deque) else queue.iter_blocks_after(None)
     return [block.block_id for block in blocks]
-
-
-def _pool(size: int) -> list[KVCacheBlock]:
-    return [KVCacheBlock(i) for i in range(size)]
 
 
 def _start(contender: Contender, pool: int) -> tuple[Any, Callable[[], list[int]]]:
     """A fresh queue (or deque) over its own ``pool`` blocks, and its ids() reader."""
-    blocks = _pool(pool)
-    if contender.queue_class is None:
-        queue: Any = deque(blocks)
-        return queue, lambda: _deque_ids(queue)
-    queue = contender.queue_class(blocks)
-    return queue, lambda: _queue_ids(queue)
+    queue = (contender.queue_class or deque)([KVCacheBlock(i) for i in range(pool)])
+    return queue, lambda: _ids(queue)
 
 
 def alloc_free(k: int) -> Callable[[Contender, int, random.Random], Bench]:
@@ -113,11 +102,8 @@ def popleft_append(contender: Contender, pool: int, rng: random.Random) -> Bench
 
 
 def remove_append(contender: Contender, pool: int, rng: random.Random) -> Bench | None:
-    """Take blocks out of the middle (a prefix-cache hit) and free them to the back.
-
-    The blocks come in two shuffled orders, alternating, so that the walk is not the queue
-    order and touches memory as scattered as an engine's cache hits.
-    """
+    """Take blocks out of the middle (a prefix-cache hit) and free them to the back, in two
+    shuffled orders, alternating: memory touched as scattered as an engine's cache hits."""
     if contender.queue_class is None:
         return None  # deque.remove is a linear search: no equivalent.
     queue, ids = _start(contender, pool)
@@ -159,12 +145,8 @@ def lifo(contender: Contender, pool: int, rng: random.Random) -> Bench:
 
 
 def mix(contender: Contender, pool: int, rng: random.Random) -> Bench:
-    """One pass: the 100 allocations of ``MIX`` in shuffled order, each freed to the back.
-
-    Each allocation is freed at once, as in the ``popleft_n(k)`` cases, so that the pass
-    weighs those cycles by their frequency; holding the blocks would time the caller's
-    bookkeeping of them as much as the queue.
-    """
+    """One pass: the 100 allocations of ``MIX`` in shuffled order, each freed to the back at
+    once (holding the blocks would time the caller's bookkeeping as much as the queue)."""
     queue, ids = _start(contender, pool)
     sizes = list(MIX)
     rng.shuffle(sizes)
@@ -209,7 +191,7 @@ def scan(contender: Contender, pool: int, rng: random.Random) -> Bench:
 
 def build(contender: Contender, pool: int, rng: random.Random) -> Bench:
     """Construct the queue over ``pool`` fresh blocks (an engine's start-up)."""
-    blocks = _pool(pool)
+    blocks = [KVCacheBlock(i) for i in range(pool)]
     made: list[Any] = [None]
     make: Callable[[list[Any]], Any] = contender.queue_class or deque
 
@@ -224,12 +206,7 @@ def build(contender: Contender, pool: int, rng: random.Random) -> Bench:
         for _ in repeat(None, loops):
             made[0] = make(blocks)
 
-    def ids() -> list[int]:
-        if contender.queue_class is None:
-            return _deque_ids(made[0])
-        return _queue_ids(made[0])
-
-    return Bench(run, ids, prepare)
+    return Bench(run, lambda: _ids(made[0]), prepare)
 
 
 def all_cases() -> list[Case]:

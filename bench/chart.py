@@ -5,24 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import machine
 from contenders import PINNED
+from launch import short
 from report import summarize
 
 MARKERS = {PINNED: "s", "pure": "o", "cython": "D", "deque": "^"}
 TICKS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3)
 
 
-def available() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def draw(results: dict[str, Any], path: Path) -> None:
-    """One line per case, one marker per contender at its ratio, with its 95% interval."""
+    """One line per case, one marker per contender at its ratio, with its 95% interval.
+    ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,7 +63,7 @@ def draw(results: dict[str, Any], path: Path) -> None:
         f"Time of one cycle of each queue operation, as a ratio to {reference}, per case",
         fontweight="bold",
     )
-    ax.set_title(machine.short(results["machine"]).replace("; ", "\n"), fontsize="small")
+    ax.set_title(short(results["machine"]).replace("; ", "\n"), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

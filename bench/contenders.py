@@ -1,14 +1,38 @@
-"""The queues under comparison, all threading the same ``kvqueue.KVCacheBlock`` class."""
+"""The queues of the microbenchmark, all threading the same ``kvqueue.KVCacheBlock`` class.
+
+vLLM's ``FreeKVCacheBlockQueue`` is read from vLLM's sdist (the one ``make vllm-tests`` takes
+its tests from, vllm_tests/sdist.py; nothing of vLLM is committed here): its one file is
+extracted once under ``<cache root>/vllm-<version>-src/`` and the class exec'd alone.
+``pure@REV`` / ``cython@REV`` are the twins at git revision REV: ``src/kvqueue`` there,
+renamed ``kvqueue_base`` and compiled in place under ``<cache root>/baseline/<commit>`` with
+the benchmark's own Cython (another would time two Cython releases as well as two kvqueues).
+"""
 
 from __future__ import annotations
+import __future__
 
+import ast
 import importlib
+import importlib.machinery
+import io
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
 from dataclasses import dataclass
-
-import baseline
-import vllm_source
+from functools import cache
+from pathlib import Path
+from typing import Any
 
 from kvqueue import KVCacheBlock
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPOSITORY / "vllm_tests"))
+import sdist  # noqa: E402  (vllm_tests/sdist.py: the cache root, the pin, the download)
+
+QUEUE_FILE = "vllm/v1/core/kv_cache_utils.py"
 
 
 def _name(version: str) -> str:
@@ -17,8 +41,8 @@ def _name(version: str) -> str:
 
 # vLLM 0.30.0 is the seed's baseline: every ratio is taken against it. Beside it, the release
 # vllm_tests/vllm.env pins (newer ones have a local-variable / single-block fast path).
-REFERENCE, PINNED = _name("0.30.0"), _name(vllm_source.sdist().VLLM_VERSION)
-VLLM_VERSIONS = {REFERENCE: "0.30.0", PINNED: vllm_source.sdist().VLLM_VERSION}
+REFERENCE, PINNED = _name("0.30.0"), _name(sdist.VLLM_VERSION)
+VLLM_VERSIONS = {REFERENCE: "0.30.0", PINNED: sdist.VLLM_VERSION}
 # With no vLLM (--quick), ratios are taken against the pure twin instead.
 FALLBACK_REFERENCE = "pure"
 DEQUE = "deque"
@@ -41,8 +65,7 @@ def load(name: str, *, download: bool) -> Contender:
         return Contender(name, None, "collections.deque")
     twin, at, rev = name.partition("@")
     if twin in TWINS:
-        # ``pure@REV`` / ``cython@REV``: that twin as it was at git revision REV.
-        module = baseline.module(rev, TWINS[twin]) if at else f"kvqueue.{TWINS[twin]}"
+        module = _baseline_module(rev, TWINS[twin]) if at else f"kvqueue.{TWINS[twin]}"
         try:
             queue_class = importlib.import_module(module).FreeKVCacheBlockQueue
         except ImportError as exc:
@@ -51,7 +74,121 @@ def load(name: str, *, download: bool) -> Contender:
     version = VLLM_VERSIONS.get(name)
     if version is None:
         raise LookupError(f"unknown contender {name!r} (known: {', '.join(ALL)})")
-    if not download and not vllm_source.is_cached(version):
+    if not download and not _vllm_path(version).is_file():
         raise LookupError(f"vllm {version}'s sources are not cached (no download)")
-    queue_class = vllm_source.load_queue_class(version, KVCacheBlock)
-    return Contender(name, queue_class, f"vllm {version} sdist, {vllm_source.QUEUE_FILE}")
+    return Contender(name, _vllm_queue(version), f"vllm {version} sdist, {QUEUE_FILE}")
+
+
+# -- vLLM's queue, from its sdist
+
+
+def _vllm_path(version: str) -> Path:
+    return sdist.cache_dir() / f"vllm-{version}-src" / QUEUE_FILE
+
+
+@cache
+def _vllm_queue(version: str) -> type:
+    """The class alone, exec'd in a fresh namespace with ``KVCacheBlock`` bound to kvqueue's
+    (annotations not evaluated)."""
+    path = _vllm_path(version)
+    if not path.is_file():
+        archive = sdist.download(version)
+        with tarfile.open(archive) as tar:
+            member = tar.extractfile(f"vllm-{version}/{QUEUE_FILE}")
+            if member is None:
+                raise LookupError(f"{archive} holds no {QUEUE_FILE}")
+            text = member.read()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(text)
+        partial.replace(path)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FreeKVCacheBlockQueue"
+    ]
+    if not nodes:
+        raise LookupError(f"vllm {version} {QUEUE_FILE} defines no FreeKVCacheBlockQueue")
+    # The real path as file name: tracebacks and profilers then show vLLM's own lines.
+    code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)  # fmt: skip
+    namespace: dict[str, Any] = {"__name__": f"vllm_{version.replace('.', '_')}",
+                                 "KVCacheBlock": KVCacheBlock}  # fmt: skip
+    exec(code, namespace)
+    loaded: type = namespace["FreeKVCacheBlockQueue"]
+    return loaded
+
+
+# -- kvqueue at an older revision, importable beside today's
+
+BASE = "kvqueue_base"
+# Absolute imports of the package itself: ``from kvqueue... import`` and ``import kvqueue``.
+_FROM = re.compile(r"^(\s*from )kvqueue(?=[.\s])", re.MULTILINE)
+_IMPORT = re.compile(r"^(\s*import )kvqueue$", re.MULTILINE)
+# ``cdef public class ... [object KvqQueueObject, type KvqQueueType]`` exports these C names
+# from each extension; distinct names keep the two builds from ever meeting at link time.
+_C_NAMES = re.compile(r"\bKvqQueue(?=Object|Type)")
+
+
+def _git(*args: str) -> bytes:
+    proc = subprocess.run(["git", "-C", str(REPOSITORY), *args], capture_output=True, check=False)
+    if proc.returncode:
+        raise LookupError(f"git {' '.join(args)}: {proc.stderr.decode().strip()}")
+    return proc.stdout
+
+
+def resolve(rev: str) -> str:
+    """The short commit hash of ``rev``; LookupError if git does not know it."""
+    return _git("rev-parse", "--short", "--verify", f"{rev}^{{commit}}").decode().strip()
+
+
+def _extract(commit: str, root: Path) -> None:
+    """``src/kvqueue`` at ``commit`` as ``root/kvqueue_base``, its imports rewritten."""
+    archive = _git("archive", "--format=tar", f"{commit}:src/kvqueue")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if not member.isfile():
+                continue
+            target = root / BASE / member.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]
+            if target.suffix in (".py", ".pyx", ".pyi"):
+                text = _FROM.sub(rf"\g<1>{BASE}", data.decode("utf-8"))
+                text = _IMPORT.sub(rf"\g<1>{BASE} as kvqueue", text)
+                data = _C_NAMES.sub("KvqBaseQueue", text).encode("utf-8")
+            target.write_bytes(data)
+
+
+def _baseline_module(rev: str, name: str) -> str:
+    """Make ``kvqueue_base`` at ``rev`` importable (built once, about half a minute); the full
+    name of its module ``name``."""
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    root = sdist.cache_dir() / "baseline" / commit
+    if not (root / BASE / f"_queue{importlib.machinery.EXTENSION_SUFFIXES[0]}").is_file():
+        if not (root / BASE).is_dir():
+            # Staged, then renamed: an interrupted extraction leaves no half package behind.
+            root.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+            try:
+                _extract(commit, staging)
+                staging.rename(root)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        print(f"baseline: building kvqueue {rev} in {root} ...", file=sys.stderr)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "Cython.Build.Cythonize",
+                "-i",
+                "-q",
+                "-3",
+                f"{BASE}/_queue.pyx",
+            ],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            check=True,
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return f"{BASE}.{name}"

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
-import machine
 from contenders import PINNED, REFERENCE
-from stats import bootstrap_median
+from launch import Estimate, bootstrap_median, interval, short
 
 # The seed's targets, on the large pool: (contender, case, against, at most).
 SINGLETON = "popleft_n(1) + append_n @100000"
@@ -30,14 +29,6 @@ PURE_VS_PINNED = 1.10
 
 
 @dataclass(frozen=True)
-class Estimate:
-    median: float
-    low: float
-    high: float
-    processes: int
-
-
-@dataclass(frozen=True)
 class Row:
     key: str
     name: str
@@ -45,10 +36,6 @@ class Row:
     cycle: str
     ratios: dict[str, Estimate]  # against the reference
     ns: dict[str, float]  # median ns per cycle
-
-
-def _per_process_medians(records: list[dict[str, Any]], contender: str) -> list[float]:
-    return [median(r["samples_ns"][contender]) for r in records if contender in r["samples_ns"]]
 
 
 def ratio(records: list[dict[str, Any]], contender: str, against: str) -> Estimate | None:
@@ -60,7 +47,7 @@ def ratio(records: list[dict[str, Any]], contender: str, against: str) -> Estima
     ]
     if not per_process:
         return None
-    return Estimate(*bootstrap_median(per_process), processes=len(per_process))
+    return bootstrap_median(per_process)
 
 
 def by_case(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -75,12 +62,9 @@ def summarize(results: dict[str, Any]) -> list[Row]:
     rows = []
     for key, records in by_case(results).items():
         names = [n for n in results["settings"]["contenders"] if n in records[0]["samples_ns"]]
-        ratios = {}
-        for name in names:
-            estimate = ratio(records, name, reference)
-            if estimate is not None:
-                ratios[name] = estimate
-        ns = {name: median(_per_process_medians(records, name)) for name in names}
+        ratios = {n: e for n in names if (e := ratio(records, n, reference)) is not None}
+        ns = {n: median(median(r["samples_ns"][n]) for r in records if n in r["samples_ns"])
+              for n in names}  # fmt: skip
         first = records[0]
         rows.append(Row(key, first["name"], first["pool"], first["cycle"], ratios, ns))
     order = list(results["settings"]["cases"])
@@ -96,16 +80,12 @@ def fmt_ns(ns: float) -> str:
     return f"{ns / 1e6:.3g} ms"
 
 
-def fmt_estimate(estimate: Estimate) -> str:
-    return f"{estimate.median:.3f} [{estimate.low:.3f}, {estimate.high:.3f}]"
-
-
 def _cell(row: Row, name: str, reference: str) -> str:
     if name not in row.ns:
         return "n/a"
     if name == reference:
         return f"1 · {fmt_ns(row.ns[name])}"
-    return f"{fmt_estimate(row.ratios[name])} · {fmt_ns(row.ns[name])}"
+    return f"{interval(row.ratios[name])} · {fmt_ns(row.ns[name])}"
 
 
 def table(results: dict[str, Any]) -> str:
@@ -116,7 +96,7 @@ def table(results: dict[str, Any]) -> str:
         f"Ratio of time to `{reference}` (median of {settings['processes']} processes x "
         f"{settings['samples']} samples, [bootstrap 95% interval]) · median time per cycle. "
         "Every contender held the same order as the reference after the same warm-up.",
-        f"{machine.short(results['machine'])}.",
+        f"{short(results['machine'])}.",
         "",
         "| case | pool | one cycle | " + " | ".join(f"`{n}`" for n in names) + " |",
         "|---|---:|---|" + "---:|" * len(names),
@@ -152,7 +132,7 @@ def _target_line(label: str, estimate: Estimate | None, limit: float) -> str:
     if estimate is None:
         return f"| {label} | not measured | |"
     mark = "✓" if estimate.high <= limit else "~" if estimate.median <= limit else "✗"
-    return f"| {label} | {fmt_estimate(estimate)} | {mark} |"
+    return f"| {label} | {interval(estimate)} | {mark} |"
 
 
 def baseline_pairs(results: dict[str, Any]) -> list[tuple[str, str]]:
@@ -178,6 +158,6 @@ def versus(results: dict[str, Any]) -> str:
     for key in settings["cases"]:
         first = grouped[key][0]
         estimates = [ratio(grouped[key], new, old) for new, old in pairs]
-        cells = [fmt_estimate(e) if e is not None else "n/a" for e in estimates]
+        cells = [interval(e) if e is not None else "n/a" for e in estimates]
         lines.append(f"| {first['name']} | {first['pool']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,33 +1,21 @@
-"""The pool guard's own time per scheduler step, measured call by call (bench/scheduler.py).
+"""The pool guard's own time per scheduler step, probed call by call (bench/scheduler.py).
 
-A step-time difference cannot show it: a step of about 1 ms varies by +-100 µs between runs
-here, the guard's work is a few µs. So each guarded ``BlockPool`` method gets two timing shims
-(``time.perf_counter_ns``): an *inner* one around vLLM's own method, installed before
+A step-time difference is too noisy to show it. Each guarded ``BlockPool`` method gets an
+*inner* ``perf_counter_ns`` shim around vLLM's own method, installed before
 ``kvqueue.vllm.install(twin, wrap_foreign=True)`` so that the guard wraps it, and an *outer*
-one around what the pool's callers reach (the guard, or with the guard off the inner shim).
-Per call, *gap* = outer time - inner time: the guard's own work (its frame, the list it
-makes, the screen) plus the shims' own cost. The same run with the guard off (the same twin,
-the same shims, nothing between them) gives the shims' cost alone, call for call: the
-schedule is deterministic, so the k-th guarded call is the same call in every run (checked:
-the same methods in the same order, the same schedule as vLLM alone).
+one around what the pool's callers reach. Per call, gap = outer - inner time: the guard's own
+work plus the shims' cost, which the same twin with the guard off gives alone, call for call
+(the schedule is deterministic, and checked). Per call the median gap over ``reps`` runs;
 
-Per process and workload, each of the runs ``{twin} x {guard on, guard off}`` is repeated
-``reps`` times in a random order; per call the median gap over the repetitions (a call that a
-preemption or an interrupt hit is dropped so), and
+    guard ns/step = (sum of median gaps, guard on - the same, guard off) / steps.
 
-    guard ns/step = (sum over calls of median gap, guard on - the same, guard off) / steps.
-
-The parent takes the median over processes with a bootstrap interval. A null test bounds the
-method's error: the guard-off gaps of the two twins (the queue twin runs outside the gap, so
-they should agree) give ``null ns/step`` = python's - cython's. Counted from the guard-on
-runs: guarded calls per step by method, and the blocks they screen (the blocks given to
-``free_blocks`` / ``touch`` / ``unpin_blocks``, ``num_blocks`` walked by ``get_new_blocks``).
+The null test, python's guard-off gaps less cython's, should be 0 (the queue twin runs outside
+the gap). Method and its reasons: bench/README.md.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import random
 import time
 from array import array
@@ -105,14 +93,7 @@ def probed_run(factory: Any, specs: list[Any], w: Any, twin: str, guard: bool) -
             assert bool(getattr(installed[m], "__kvqueue_guard__", False)) is guard, m
             setattr(BlockPool, m, probe.outer(installed[m], GUARDED.index(m)))
         driver = sched_engine.Driver(factory, specs)
-        gc.collect()
-        gc.disable()
-        try:
-            driver.run(w.warmup_steps, time.thread_time)
-            probe.clear()
-            driver.run(w.steps - w.warmup_steps, time.thread_time)
-        finally:
-            gc.enable()
+        driver.run_workload(w, probe.clear)
     finally:
         for m, was in installed.items():  # the guard back, so that uninstall() finds it
             setattr(BlockPool, m, was)

@@ -1,23 +1,21 @@
 """vLLM's own ``Scheduler`` on the CPU, driven step by step with a fake model.
 
-Built the way vLLM's scheduler tests build it (a ``VllmConfig`` from a local model directory
-holding only a ``config.json``, no weights, no tokenizer; one full-attention KV-cache group;
-prefix caching on), so that ``schedule()`` and ``update_from_output()`` run vLLM's real code:
-its ``KVCacheManager``, coordinator, single-type manager and ``BlockPool``, whose
-``FreeKVCacheBlockQueue`` is whatever the name in ``vllm.v1.core.block_pool`` is bound to
-when the scheduler is built (``kvqueue.vllm.install()`` rebinds it).
-
-The fake model samples, for every scheduled request whose prompt is complete after this
-step, the next token of the request's fixed output (sched_workload.Spec); a prefill chunk
-samples nothing, as vLLM's model runner does. Requests stop at their output length
-(``ignore_eos``), and ``update_from_output`` frees them.
+Built the way vLLM's scheduler tests build it (a model directory holding only a
+``config.json``), so that ``schedule()`` and ``update_from_output()`` run vLLM's real
+``KVCacheManager`` and ``BlockPool``, whose ``FreeKVCacheBlockQueue`` is whatever
+``vllm.v1.core.block_pool`` names when the scheduler is built (``kvqueue.vllm.install()``
+rebinds it). The fake model samples the next token of each request's fixed output
+(sched_workload.Spec), nothing for a prefill chunk, as vLLM's model runner does; requests
+stop at their output length (``ignore_eos``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -29,20 +27,11 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 # A small Llama-shaped model: only its shape reaches the scheduler (max length, vocab).
 _MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "max_position_embeddings": 8192,
-    "vocab_size": 32000,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "num_hidden_layers": 2, "max_position_embeddings": 8192, "vocab_size": 32000,
+    "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
 MAX_MODEL_LEN = 8192
 
 
@@ -64,33 +53,18 @@ class SchedulerFactory:
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        model_config = ModelConfig(
-            model=model,
-            tokenizer=model,
-            skip_tokenizer_init=True,
-            dtype="float16",
-            seed=0,
-            max_model_len=MAX_MODEL_LEN,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=w.max_num_seqs,
-            max_num_batched_tokens=w.max_num_batched_tokens,
-            max_model_len=MAX_MODEL_LEN,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        )
-        cache_config = CacheConfig(
-            block_size=w.block_size,
-            gpu_memory_utilization=0.9,
-            cache_dtype="auto",
-            enable_prefix_caching=True,
-        )
+        cache_config = CacheConfig(block_size=w.block_size, gpu_memory_utilization=0.9,
+                                   cache_dtype="auto", enable_prefix_caching=True)  # fmt: skip
         cache_config.num_gpu_blocks = w.num_blocks
         self.vllm_config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=scheduler_config,
+            model_config=ModelConfig(model=model, tokenizer=model, skip_tokenizer_init=True,
+                                     dtype="float16", seed=0, max_model_len=MAX_MODEL_LEN),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
+                max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
+                is_encoder_decoder=False),
             cache_config=cache_config,
-        )
+        )  # fmt: skip
         register_all_kvcache_specs(self.vllm_config)
         self.spec = FullAttentionSpec(
             block_size=w.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
@@ -124,14 +98,9 @@ def block_pool(scheduler: Any) -> Any:
 
 
 class Driver:
-    """Runs one workload through one scheduler, a step at a time.
-
-    ``run(n, clock)`` returns the clock's time spent inside ``schedule()`` and
-    ``update_from_output()`` over the n steps; building requests, ``add_request`` and the
-    fake model's output are outside it. ``fingerprint`` hashes every step's scheduled
-    requests, token counts and block ids, preemptions and finished requests: two runs with
-    equal fingerprints did the same work.
-    """
+    """Runs one workload through one scheduler, a step at a time. ``fingerprint`` hashes every
+    step's scheduled requests, token counts and block ids, preemptions and finished requests:
+    two runs with equal fingerprints did the same work."""
 
     def __init__(self, factory: SchedulerFactory, specs: list[Spec]) -> None:
         from vllm.sampling_params import SamplingParams
@@ -157,13 +126,9 @@ class Driver:
             self.next_spec += 1
             params = self._sampling(ignore_eos=True, max_tokens=len(spec.output))
             request = self._request_class(
-                request_id=spec.request_id,
-                prompt_token_ids=list(spec.prompt),
-                sampling_params=params,
-                pooling_params=None,
-                arrival_time=float(self.step_no),
-                block_hasher=self.factory.block_hasher,
-            )
+                request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
+                sampling_params=params, pooling_params=None, arrival_time=float(self.step_no),
+                block_hasher=self.factory.block_hasher)  # fmt: skip
             self.scheduler.add_request(request)
 
     def _model_output(self, out: Any) -> Any:
@@ -172,34 +137,22 @@ class Driver:
         req_ids += out.scheduled_cached_reqs.req_ids
         sampled = []
         for req_id in req_ids:
-            request = requests[req_id]
-            if request.is_prefill_chunk:
-                sampled.append([])
-            else:
-                sampled.append([self.outputs[req_id][request.num_output_tokens]])
+            r = requests[req_id]
+            sampled.append(
+                [] if r.is_prefill_chunk else [self.outputs[req_id][r.num_output_tokens]]
+            )
         return self._output_class(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[])  # fmt: skip
 
     def _record(self, out: Any) -> None:
         new = [(r.req_id, r.block_ids) for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         preempted = sorted(out.preempted_req_ids or ())
         finished = sorted(out.finished_req_ids)
-        step = repr(
-            (
-                new,
-                list(zip(cached.req_ids, cached.new_block_ids, strict=True)),
-                sorted(out.num_scheduled_tokens.items()),
-                preempted,
-                finished,
-            )
-        )
+        step = repr((new, list(zip(cached.req_ids, cached.new_block_ids, strict=True)),
+                     sorted(out.num_scheduled_tokens.items()), preempted, finished))  # fmt: skip
         self.fingerprint = zlib.crc32(step.encode(), self.fingerprint)
         c = self.counters
         c["scheduled_tokens"] += out.total_num_scheduled_tokens
@@ -207,8 +160,22 @@ class Driver:
         c["finished"] += len(finished)
         c["admitted"] += len(new)
 
-    def run(self, steps: int, clock: Callable[[], float]) -> float:
-        scheduler = self.scheduler
+    def run_workload(self, w: Workload, after_warmup: Callable[[], Any] = lambda: None) -> float:
+        """The warm-up steps, ``after_warmup()``, then the timed steps (their time, as run()'s),
+        the collector off."""
+        gc.collect()
+        gc.disable()
+        try:
+            self.run(w.warmup_steps)
+            after_warmup()
+            return self.run(w.steps - w.warmup_steps)
+        finally:
+            gc.enable()
+
+    def run(self, steps: int) -> float:
+        """The thread CPU time inside ``schedule()`` and ``update_from_output()`` over ``steps``
+        steps (building requests and the fake model's output outside it)."""
+        scheduler, clock = self.scheduler, time.thread_time
         elapsed = 0.0
         for _ in range(steps):
             self._arrivals()

@@ -1,58 +1,38 @@
 """Engine-level benchmark on vLLM's real scheduler: vLLM's own queue, kvqueue's twins, the guard.
 
-    make bench-scheduler                        # the vLLM venv, full run (about 30 minutes)
-    python bench/scheduler.py --quick           # 3 processes, half the steps
-    python bench/scheduler.py --check           # no timing: every contender schedules alike
-    python bench/scheduler.py --summarize bench/results/scheduler-....json
-
-Runs in the venv of vllm_tests/venv.sh (vLLM as vllm_tests/vllm.env pins it, and kvqueue).
-vLLM's own ``Scheduler`` (bench/sched_engine.py: its real KVCacheManager and BlockPool, on the
-CPU, a fake model) serves the seeded workloads of bench/sched_workload.py. Contenders: ``vllm``
-(vLLM alone), ``cython`` and ``python`` (``kvqueue.vllm.install(twin, pool_guard=False)``),
-``cython+guard`` and ``python+guard`` (the pool guard on). A kvqueue whose ``install()`` has
-no ``pool_guard`` parameter runs without the guard contenders, and says so.
-
-Per fresh process (bench/launch.py) and per workload: one untimed run per contender, then
-``--reps`` runs each, the contenders in a new random order every time, the collector off.
-*Step time* is the thread CPU time inside ``schedule()`` + ``update_from_output()`` over the
-steps after the warm-up. Every run must schedule exactly what vLLM alone did (a fingerprint of
-every step's requests, tokens and block ids) and leave the same pool (the free list in order,
-every block's reference count and hash), or the process fails. Ratios are taken within a
-process (against ``vllm``; the guard's against the same twin with the guard off), then the
-median over processes with a bootstrap 95% interval (bench/stats.py). The queue's own time is
-the microbenchmark's (bench/run.py); here one run on vLLM's queue counts its calls per step.
-The guard's own µs per step, which the step-time difference is too noisy to show, is probed
-call by call for each twin (bench/sched_cost.py: ``--cost-reps`` runs guard on and off).
-Results: bench/results/scheduler-*.json and a Markdown table on stdout.
-
-``--check`` (CI) runs each contender once on short workloads over a small pool (it fills and
-evicts), and fails on any such difference, or when the workloads miss a queue call the pool
-makes or the prefix cache's eviction; it also runs the guard's probes once per twin.
+Usage and method: bench/README.md; runs in the venv of vllm_tests/venv.sh. vLLM's own
+``Scheduler`` (sched_engine.py) serves the workloads of sched_workload.py per contender:
+``vllm`` (vLLM alone), ``cython`` and ``python`` (``kvqueue.vllm.install(twin)``, the pool
+guard off), ``cython+guard`` and ``python+guard`` (on; left out, and said so, where this
+kvqueue's ``install()`` has no ``pool_guard``). Every run must schedule what vLLM alone did
+and leave the same pool. The guard's own time is probed call by call (sched_cost.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
+import functools
+import hashlib
 import inspect
 import json
 import os
 import random
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from statistics import median
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+import launch
+import sched_cost
+import sched_engine
+import sched_workload
+from launch import bootstrap_median, interval
+
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
 REFERENCE = "vllm"
-CLOCK = time.thread_time
-
-
-# -- the contenders ------------------------------------------------------------------------
 
 
 def guard_missing() -> str | None:
@@ -83,23 +63,15 @@ def use(name: str) -> type:
     return queue_class
 
 
-# -- the queue calls of one run, counted ---------------------------------------------------
-
-
-class QueueCounter:
-    """Stands for a queue class: builds ``queue_class`` queues that count their calls."""
-
-    def __init__(self, queue_class: type) -> None:
-        self.queue_class = queue_class
-        self.calls: dict[str, int] = {}
-
-    def __call__(self, blocks: list[Any]) -> Any:
-        return _CountingQueue(self.queue_class(blocks), self.calls)
+def guarded_twins(contenders: list[str]) -> list[str]:
+    return [n for n in contenders if "+" not in n and f"{n}+guard" in contenders]
 
 
 class _CountingQueue:
-    def __init__(self, queue: Any, calls: dict[str, int]) -> None:
-        self._q = queue
+    """A queue that counts its calls by name (``popleft_n`` also its blocks) into ``calls``."""
+
+    def __init__(self, queue_class: type, calls: dict[str, int], blocks: list[Any]) -> None:
+        self._q = queue_class(blocks)
         self._calls = calls
 
     def _count(self, op: str, n: int = 1) -> None:
@@ -117,7 +89,6 @@ class _CountingQueue:
         return self._q.popleft_n(n)
 
     def __getattr__(self, op: str) -> Any:
-        """Every other method, counted by name."""
         method = getattr(self._q, op)
         if not callable(method):
             return method
@@ -129,55 +100,22 @@ class _CountingQueue:
         return counted
 
 
-# -- one fresh process ---------------------------------------------------------------------
-
-
-def shrink(w: Any, factor: int) -> Any:
-    return dataclasses.replace(w, steps=w.steps // factor, warmup_steps=w.warmup_steps // factor)
-
-
-def timed_run(driver: Any, w: Any) -> float:
-    gc.collect()
-    gc.disable()
-    try:
-        driver.run(w.warmup_steps, CLOCK)
-        return float(driver.run(w.steps - w.warmup_steps, CLOCK))
-    finally:
-        gc.enable()
-
-
-def run_contender(name: str, factory: Any, specs: list[Any], w: Any, reference: Any) -> float:
-    """One timed run on contender ``name``; it must schedule what vLLM alone did and leave the
-    same pool (``reference``: ``record_queue_calls()``'s), or the process fails."""
-    import sched_engine
-
-    queue_class = use(name)
-    driver = sched_engine.Driver(factory, specs)
-    assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is queue_class, name
-    elapsed = timed_run(driver, w)
-    if driver.fingerprint != reference["fingerprint"]:
-        raise SystemExit(f"{name}: the schedule differs from vLLM's alone")
-    if pool_state(driver) != reference["pool"]:
-        raise SystemExit(f"{name}: the pool after the run differs from vLLM's alone")
-    return elapsed
-
-
 def pool_state(driver: Any) -> tuple[Any, ...]:
     """The free list in order, and every block's id, reference count and hash."""
-    import sched_engine
-
     pool = sched_engine.block_pool(driver.scheduler)
     free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
     return free, [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks]
 
 
-def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]:
-    """One run on vLLM's queue with its calls counted (after the warm-up), and evictions."""
-    import sched_engine
+def record_queue_calls(w: Any, model: str) -> dict[str, Any]:
+    """The workload ``w`` and one run of it on vLLM's queue, its calls after the warm-up counted
+    and the prefix cache's evictions: what every other run must schedule and leave."""
     from vllm.v1.core import block_pool
 
+    specs = sched_workload.make_workload(w)
+    factory = sched_engine.SchedulerFactory(w, model)
     original = use(REFERENCE)
-    log = QueueCounter(original)
+    calls: dict[str, int] = {}
     evict = block_pool.BlockPool._maybe_evict_cached_block
     evicted = [0]
 
@@ -186,31 +124,49 @@ def record_queue_calls(factory: Any, specs: list[Any], w: Any) -> dict[str, Any]
         evicted[0] += hit
         return hit
 
-    block_pool.FreeKVCacheBlockQueue = log  # type: ignore[attr-defined]
+    block_pool.FreeKVCacheBlockQueue = functools.partial(_CountingQueue, original, calls)  # type: ignore[attr-defined]
     block_pool.BlockPool._maybe_evict_cached_block = counting_evict  # type: ignore[method-assign]
     try:
         driver = sched_engine.Driver(factory, specs)
-        driver.run(w.warmup_steps, CLOCK)
-        evicted_warmup, before = evicted[0], dict(driver.counters)
-        log.calls.clear()
-        driver.run(w.steps - w.warmup_steps, CLOCK)
+        before: dict[str, int] = {}
+
+        def after_warmup() -> None:
+            before.update(driver.counters, evicted_blocks=evicted[0])
+            calls.clear()
+
+        driver.run_workload(w, after_warmup)
     finally:
         block_pool.FreeKVCacheBlockQueue = original  # type: ignore[attr-defined]
         block_pool.BlockPool._maybe_evict_cached_block = evict  # type: ignore[method-assign]
-    counters = {k: v - before[k] for k, v in driver.counters.items()}
-    counters["evicted_blocks"] = evicted[0] - evicted_warmup
-    return {"counters": counters, "queue_calls": log.calls, "fingerprint": driver.fingerprint,
-            "pool": pool_state(driver)}  # fmt: skip
+    counters = {**driver.counters, "evicted_blocks": evicted[0]}
+    return {"specs": specs, "factory": factory, "w": w, "queue_calls": calls,
+            "counters": {k: v - before[k] for k, v in counters.items()},
+            "fingerprint": driver.fingerprint, "pool": pool_state(driver)}  # fmt: skip
+
+
+def run_contender(name: str, recorded: dict[str, Any]) -> float:
+    """One timed run on contender ``name``; it must schedule what vLLM alone did and leave the
+    same pool (``recorded``: record_queue_calls()'s), or the process fails."""
+    queue_class = use(name)
+    driver = sched_engine.Driver(recorded["factory"], recorded["specs"])
+    assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is queue_class, name
+    elapsed = driver.run_workload(recorded["w"])
+    if driver.fingerprint != recorded["fingerprint"]:
+        raise SystemExit(f"{name}: the schedule differs from vLLM's alone")
+    if pool_state(driver) != recorded["pool"]:
+        raise SystemExit(f"{name}: the pool after the run differs from vLLM's alone")
+    return elapsed
+
+
+def probe_guard(recorded: dict[str, Any], twins: list[str], reps: int, rng: random.Random) -> Any:
+    r = recorded
+    return sched_cost.measure(r["factory"], r["specs"], r["w"], twins, reps, rng, r["fingerprint"])
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
-    from launch import pin
-
-    cpu = pin(job.get("cpu"))
-    import sched_cost
-    import sched_engine
-    import sched_workload
-
+    """One fresh process: per workload, one untimed run per contender (every contender's code
+    and data warm), then ``reps`` timed runs each in a new random order, then the probes."""
+    cpu = launch.pin(job.get("cpu"))
     rng = random.Random(job["seed"])
     model = sched_engine.model_dir()
     result: dict[str, Any] = {"cpu": cpu, "pid": os.getpid(), "workloads": {}}
@@ -218,53 +174,41 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     rng.shuffle(names)
     contenders = list(job["contenders"])
     for wname in names:
-        w = shrink(sched_workload.WORKLOADS[wname], 2 if job["quick"] else 1)
-        specs = sched_workload.make_workload(w)
-        factory = sched_engine.SchedulerFactory(w, model)
-        recorded = record_queue_calls(factory, specs, w)
-        for name in contenders:  # untimed: every contender's code and data warm
-            run_contender(name, factory, specs, w, recorded)
+        w = sched_workload.WORKLOADS[wname]
+        if job["quick"]:
+            w = dataclasses.replace(w, steps=w.steps // 2, warmup_steps=w.warmup_steps // 2)
+        recorded = record_queue_calls(w, model)
+        for name in contenders:
+            run_contender(name, recorded)
         steps: dict[str, list[float]] = {n: [] for n in contenders}
         for _ in range(job["reps"]):
             rng.shuffle(contenders)
             for name in contenders:
-                steps[name].append(run_contender(name, factory, specs, w, recorded))
+                steps[name].append(run_contender(name, recorded))
         use(REFERENCE)
-        twins = [n for n in job["contenders"] if "+" not in n and f"{n}+guard" in contenders]
-        cost = None
-        if twins and job["cost_reps"]:
-            cost = sched_cost.measure(
-                factory, specs, w, twins, job["cost_reps"], rng, recorded["fingerprint"]
-            )
+        twins = guarded_twins(job["contenders"])
+        cost = (
+            probe_guard(recorded, twins, job["cost_reps"], rng)
+            if twins and job["cost_reps"]
+            else None
+        )
         result["workloads"][wname] = {
-            "params": dataclasses.asdict(w),
-            "timed_steps": w.steps - w.warmup_steps,
-            "requests": len(specs),
-            "counters": recorded["counters"],
-            "queue_calls": recorded["queue_calls"],
-            "step_s": steps,
-            "guard_cost": cost,
-        }
+            "params": dataclasses.asdict(w), "timed_steps": w.steps - w.warmup_steps,
+            "requests": len(recorded["specs"]), "counters": recorded["counters"],
+            "queue_calls": recorded["queue_calls"], "step_s": steps, "guard_cost": cost,
+        }  # fmt: skip
     return result
 
 
-# -- the equivalence check (CI) ------------------------------------------------------------
-
-
 def check(workloads: list[str], contenders: list[str]) -> int:
-    import sched_cost
-    import sched_engine
-    import sched_workload
-
+    """CI: each contender once on short workloads over a small pool; the guard's probes once."""
     model = sched_engine.model_dir()
     failures = []
     for wname in workloads:
         # A quarter of the steps, no warm-up, an eighth of the pool: it fills, and evicts.
         w = sched_workload.WORKLOADS[wname]
         w = dataclasses.replace(w, steps=w.steps // 4, warmup_steps=0, num_blocks=w.num_blocks // 8)
-        specs = sched_workload.make_workload(w)
-        factory = sched_engine.SchedulerFactory(w, model)
-        recorded = record_queue_calls(factory, specs, w)
+        recorded = record_queue_calls(w, model)
         calls, counters = recorded["queue_calls"], recorded["counters"]
         needed = ["popleft_n", "popleft_n>1", "append_n", "prepend_n", "num_free_blocks"]
         needed += ["remove"] if wname == "prefix-heavy" else []
@@ -276,17 +220,15 @@ def check(workloads: list[str], contenders: list[str]) -> int:
         print(f"scheduler --check: {wname}, {w.steps} steps: {reached}", flush=True)
         for name in contenders:
             try:
-                run_contender(name, factory, specs, w, recorded)
+                run_contender(name, recorded)
             except SystemExit as exc:
                 failures.append(f"{wname}: {exc}")
                 continue
             print(f"scheduler --check: {wname} {name}: same schedule, same pool", flush=True)
-        twins = [n for n in contenders if "+" not in n and f"{n}+guard" in contenders]
-        if twins:  # the guard's probes (sched_cost.py) work, and change no schedule
+        twins = guarded_twins(contenders)
+        if twins:  # the guard's probes work, and change no schedule
             try:
-                cost = sched_cost.measure(
-                    factory, specs, w, twins, 1, random.Random(0), recorded["fingerprint"]
-                )
+                cost = probe_guard(recorded, twins, 1, random.Random(0))
             except SystemExit as exc:
                 failures.append(f"{wname}: {exc}")
                 continue
@@ -300,44 +242,8 @@ def check(workloads: list[str], contenders: list[str]) -> int:
     return 1 if failures else 0
 
 
-# -- the parent: processes, summary --------------------------------------------------------
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import launch
-    import machine
-
-    rng = random.Random(args.seed)
-    jobs = [
-        {"round": round_, "workloads": args.workloads, "contenders": args.contenders,
-         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu,
-         "cost_reps": args.cost_reps}
-        for round_ in range(args.processes)
-    ]  # fmt: skip
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
-    records = launch.run(command, jobs, lambda job: f"round {job['round'] + 1}")
-    return {
-        "machine": machine.describe(),
-        "vllm": _vllm_version(),
-        "settings": {
-            "processes": args.processes,
-            "reps": args.reps,
-            "cost_reps": args.cost_reps,
-            "quick": args.quick,
-            "seed": args.seed,
-            "contenders": args.contenders,
-            "skipped": args.skipped,
-        },
-        "loadavg": os.getloadavg(),
-        "kvqueue_sources": _kvqueue_stamp(),
-        "records": records,
-    }
-
-
-def _kvqueue_stamp() -> str:
+def kvqueue_stamp() -> str:
     """A hash of the kvqueue package the workers import (its files, .so included)."""
-    import hashlib
-
     import kvqueue
 
     digest = hashlib.sha256()
@@ -347,15 +253,27 @@ def _kvqueue_stamp() -> str:
     return digest.hexdigest()[:16]
 
 
-def _vllm_version() -> str:
-    from importlib import metadata
-
-    return metadata.version("vllm")
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    jobs = [
+        {"round": round_, "workloads": args.workloads, "contenders": args.contenders,
+         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu,
+         "cost_reps": args.cost_reps}
+        for round_ in range(args.processes)
+    ]  # fmt: skip
+    records = launch.run(__file__, jobs, lambda job: f"round {job['round'] + 1}")
+    settings = ("processes", "reps", "cost_reps", "quick", "seed", "contenders", "skipped")
+    return {
+        "machine": launch.describe(),
+        "vllm": metadata.version("vllm"),
+        "settings": {k: getattr(args, k) for k in settings},
+        "loadavg": os.getloadavg(),
+        "kvqueue_sources": kvqueue_stamp(),
+        "records": records,
+    }
 
 
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
-    from stats import bootstrap_median
-
     records = data["records"]
     names = data["settings"]["contenders"]
     summary: dict[str, Any] = {}
@@ -363,13 +281,14 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         per = [r["workloads"][wname] for r in records]
         steps = per[0]["timed_steps"]
         step = [{n: median(p["step_s"][n]) for n in names} for p in per]  # per process
-        rows: dict[str, Any] = {}
-        for name in names:
-            rows[name] = {
+        rows = {
+            name: {
                 "us_per_step": median(m[name] for m in step) / steps * 1e6,
                 "step_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in step]),
                 "process_spread": max(m[name] for m in step) / min(m[name] for m in step),
             }
+            for name in names
+        }
         guard = {}
         costs = [p.get("guard_cost") for p in per]
         for name in names:
@@ -383,37 +302,28 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 }
                 if all(c and twin in c["twins"] for c in costs):
                     probed = [c["twins"][twin] for c in costs]  # type: ignore[index]
-                    guard[twin]["probed_us_per_step"] = bootstrap_median(
-                        [c["guard_ns_per_step"] / 1e3 for c in probed]
+                    guard[twin].update(
+                        probed_us_per_step=bootstrap_median(
+                            [c["guard_ns_per_step"] / 1e3 for c in probed]
+                        ),
+                        shim_ns_per_call=median(c["shim_ns_per_call"] for c in probed),
+                        calls_per_step=probed[0]["calls_per_step"],
+                        blocks_per_step=probed[0]["blocks_per_step"],
                     )
-                    guard[twin]["shim_ns_per_call"] = median(c["shim_ns_per_call"] for c in probed)
-                    guard[twin]["calls_per_step"] = probed[0]["calls_per_step"]
-                    guard[twin]["blocks_per_step"] = probed[0]["blocks_per_step"]
         nulls = [c.get("null_ns_per_step") for c in costs if c]
         null = bootstrap_median([x / 1e3 for x in nulls]) if nulls and None not in nulls else None
         summary[wname] = {
-            "params": per[0]["params"],
-            "timed_steps": steps,
-            "requests": per[0]["requests"],
-            "counters": per[0]["counters"],
-            "queue_calls": per[0]["queue_calls"],
-            "rows": rows,
-            "guard": guard,
+            **{k: per[0][k] for k in ("params", "timed_steps", "requests", "counters")},
+            "queue_calls": per[0]["queue_calls"], "rows": rows, "guard": guard,
             "probe_null_us_per_step": null,
-        }
+        }  # fmt: skip
     return summary
 
 
 _DERIVED = ("blocks_allocated", "popleft_n>1")
 
 
-def _fmt(est: list[float] | tuple[float, float, float], digits: int = 3) -> str:
-    return f"{est[0]:.{digits}f} [{est[1]:.{digits}f}, {est[2]:.{digits}f}]"
-
-
 def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
-    import machine
-
     s = data["settings"]
     lines = [
         f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per contender: median of "
@@ -426,7 +336,7 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     for wname, t in summary.items():
         for name, row in t["rows"].items():
             lines.append(
-                f"| {wname} | {name} | {row['us_per_step']:.0f} | {_fmt(row['step_ratio'])} | "
+                f"| {wname} | {name} | {row['us_per_step']:.0f} | {interval(row['step_ratio'])} | "
                 f"{row['process_spread']:.3f} |"
             )
     if any(t["guard"] for t in summary.values()):
@@ -448,12 +358,12 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
             for twin, g in t["guard"].items():
                 probed, calls, screened = "n/a", "", ""
                 if "probed_us_per_step" in g:
-                    probed = _fmt(g["probed_us_per_step"], 2)
+                    probed = interval(g["probed_us_per_step"], 2)
                     calls = ", ".join(f"{m} {k:.2f}" for m, k in g["calls_per_step"].items())
                     screened = ", ".join(f"{m} {k:.1f}" for m, k in g["blocks_per_step"].items())
                 lines.append(
-                    f"| {wname} | {twin} | {_fmt(g['ratio'])} | {_fmt(g['us_per_step'], 1)} | "
-                    f"{probed} | {calls} | {screened} |"
+                    f"| {wname} | {twin} | {interval(g['ratio'])} | "
+                    f"{interval(g['us_per_step'], 1)} | {probed} | {calls} | {screened} |"
                 )
         nulls = [(w, t["probe_null_us_per_step"]) for w, t in summary.items()]
         shims = [
@@ -467,7 +377,7 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
                 "",
                 "The probe's error: the null test (guard off, python's gaps less cython's, "
                 "which should be 0) gives "
-                + "; ".join(f"{w} {_fmt(n, 2)} µs/step" for w, n in nulls)
+                + "; ".join(f"{w} {interval(n, 2)} µs/step" for w, n in nulls)
                 + f". The shims' own cost subtracted: {min(shims):.0f}-{max(shims):.0f} ns a call.",
             ]
     if s["skipped"]:
@@ -488,34 +398,26 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Machine: {machine.short(data['machine'])}; load average at the end "
+        f"Machine: {launch.short(data['machine'])}; load average at the end "
         f"{', '.join(f'{x:.1f}' for x in data['loadavg'])}.",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sched_workload
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="3 processes, half the steps")
+    parser = launch.parser(__doc__, "fresh processes (7; quick 3)", "3 processes, half the steps")
     parser.add_argument("--check", action="store_true", help="equivalence only, no timing")
-    parser.add_argument("--processes", type=int, help="fresh processes (7; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
     parser.add_argument(
         "--cost-reps",
         type=int,
+        default=3,
         help="probed runs per twin, guard on and off (3, odd: a median per call; 0: none)",
     )
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
     parser.add_argument(
         "--workloads", default=",".join(sched_workload.WORKLOADS), help="comma-separated"
     )
-    parser.add_argument("--cpu", type=int, help="pin to this CPU (default: the last allowed)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="results JSON (default bench/results/...)")
-    parser.add_argument("--summarize", type=Path, help="re-tabulate a results JSON")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -539,13 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         return check(args.workloads, args.contenders)
     args.processes = args.processes or (3 if args.quick else 7)
     args.reps = args.reps or (3 if args.quick else 5)
-    if args.cost_reps is None:
-        args.cost_reps = 3
     data = run(args)
-    out = args.out or RESULTS / f"scheduler-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     data["summary"] = summarize(data)
-    out.write_text(json.dumps(data, indent=1))
+    out = launch.save(data, args.out, f"scheduler-{time.strftime('%Y%m%d-%H%M%S')}")
     print(markdown(data, data["summary"]))
     print(f"\n(raw results: {out})", file=sys.stderr)
     return 0
