@@ -210,7 +210,9 @@ PY
     # script that runs the same interpreter under qemu, with the same env.
     EMU="$WORK/emu-$tag"
     mkdir -p "$EMU"
-    printf '#!/bin/sh\nexec qemu-aarch64-static -L "%s" "%s" "$@"\n' "$SYSROOT" "$TPY" > "$EMU/python$v"
+    # By absolute path: a test may start it with an environment of its own.
+    printf '#!/bin/sh\nexec "%s" -L "%s" "%s" "$@"\n' "$(command -v qemu-aarch64-static)" "$SYSROOT" "$TPY" \
+        > "$EMU/python$v"
     chmod +x "$EMU/python$v"
     cat > "$EMU/sitecustomize.py" <<'PY'
 import os, sys

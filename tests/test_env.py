@@ -3,6 +3,7 @@ value is refused with a message naming the variable and what it takes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,7 +47,7 @@ def test_a_choice_maps_its_values(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_import_refuses_an_unknown_pure_value(value: str) -> None:
     done = subprocess.run(
         [sys.executable, "-c", "import kvqueue"],
-        env={"KVQUEUE_PURE": value, "PATH": ""},
+        env={**os.environ, "KVQUEUE_PURE": value},
         capture_output=True,
         text=True,
         check=False,
