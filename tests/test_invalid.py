@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 from invalid_ops import CASES, outcome
@@ -22,7 +24,7 @@ def test_invalid_operation(queue_mod: ModuleType, name: str) -> None:
     assert untouched, "the failing call changed the queue or a block"
 
 
-NEVER_BUILT_CALLS = {
+NEVER_BUILT_CALLS: dict[str, Callable[[Any, KVCacheBlock], object]] = {
     "popleft": lambda q, b: q.popleft(),
     "popleft_n": lambda q, b: q.popleft_n(1),
     "remove": lambda q, b: q.remove(b),
