@@ -30,7 +30,7 @@ Each method here and its pure twin::
       iter_blocks_after, __iter__, __len__, __repr__, __reduce_ex__
     num_free_blocks member, __setattr__,   num_free_blocks property
       __delattr__
-    _link + _link_failed, _pool_run        _link, _pool_prefix
+    _link + _link_failed, _pool_run        _link, _checked_prefix
     _link_repaired, _screen, _misuse       the same names
     _unlink_run                            _undo (partial=...)
     _misused_append, _misused_remove       inline in append, remove
@@ -48,8 +48,9 @@ The deliberate differences, and why:
 - No Python code runs between a method's reads of the list and its last write
   (old values are swapped out, the result list allocated first), so a
   collection's finalizers can call the queue at any point and find it whole.
-  The pure twin can be entered by a collection between any two bytecodes, as
-  vLLM's queue can.
+  The pure twin holds the same rule by order: it allocates (the result list,
+  the batch's iterator) and checks a subclass's blocks before it reads the
+  list.
 - The pure twin writes the list inside ``try`` blocks whose handlers undo the
   call, for exceptions raised asynchronously between its bytecodes; here no
   bytecode runs inside a call, so none arrive.
@@ -62,8 +63,9 @@ The deliberate differences, and why:
   RuntimeError (``_check``); the pure twin fails at its first read of an unset
   slot, with AttributeError, so that its valid path pays for no check.
 - A bound queue checks its pool in a pass of its own (``_pool_run``), as the
-  pure twin does (``_pool_prefix``), so that the unbound linking loop is
-  unchanged; both stop at the same block.
+  pure twin does (``_checked_prefix``, which also checks a batch that holds a
+  subclass's block), so that the unbound linking loop is unchanged; both stop
+  at the same block.
 """
 
 cimport cython

@@ -14,8 +14,12 @@ checked here: the compiled twin checks them because it must never crash.
 The list's invariants, kept by every call, whether it returns or raises, even
 for an exception raised asynchronously between two of its bytecodes (a
 ``KeyboardInterrupt``, or the ``SystemExit`` of vLLM's signal handlers): each
-method writes the list only inside a ``try`` whose handler puts back every link
-and the count it read, all absolute writes that need no progress marker.
+method writes the list only inside a ``try`` whose handler puts back every link,
+all absolute writes that need no progress marker. The count is written last in
+the ``try``, so a handler never finds it written. And, as in the compiled twin,
+no Python code runs between a method's first read of the list and its last
+write: the allocations that may start a collection, whose finalizers may call
+the queue, and the checks of a subclass's blocks, come before the reads.
 
 * ``head.prev_free_block`` and ``tail.next_free_block`` are None; following
   ``next_free_block`` from ``head`` reaches ``tail``, and ``prev_free_block``
@@ -131,7 +135,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         # above found no head and failed).
         self._head: B = head
         if blocks:
-            self._link("FreeKVCacheBlockQueue", head, tail, blocks)
+            self._link("FreeKVCacheBlockQueue", False, blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -189,9 +193,9 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """
         head: Any = self._head
         first: B = head.next_free_block
-        num = self._num_free_blocks
         if first is self._tail or first is None:
             # vLLM asserts that the count is 0 here before it raises ValueError.
+            num = self._num_free_blocks
             if num != 0:
                 raise _errors.out_of_sync(num)
             raise _errors.empty()
@@ -202,10 +206,9 @@ class FreeKVCacheBlockQueue(Generic[B]):
             head.next_free_block = next_block
             next_block.prev_free_block = head
             first.prev_free_block = first.next_free_block = None
-            self._num_free_blocks = num - 1
+            self._num_free_blocks -= 1
         except BaseException:
             self._undo(head, (first,), next_block)
-            self._num_free_blocks = num
             raise
         return first
 
@@ -217,19 +220,14 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """
         if type(n) is not int:
             n = index(n)  # Python code (__index__): before the state is read
-        num = self._num_free_blocks
-        if n <= 0:
-            if n == 0:
-                return []
-            raise _errors.negative(n)
-        if n > num:
-            raise _errors.too_many(n, num)
         head: Any = self._head
-        tail = self._tail
-        curr = head.next_free_block
         if n == 1:
             # The decode step's case, inlined: no list walk, no second loop.
-            if curr is None or curr is tail:
+            num = self._num_free_blocks
+            if num < 1:
+                raise _errors.too_many(1, num)
+            curr = head.next_free_block
+            if curr is None or curr is self._tail:
                 raise _errors.out_of_sync(num)
             next_block = curr.next_free_block
             if next_block is None:
@@ -241,16 +239,26 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 self._num_free_blocks = num - 1
             except BaseException:
                 self._undo(head, (curr,), next_block)
-                self._num_free_blocks = num
                 raise
             return [curr]
+        if n <= 0:
+            if n == 0:
+                return []
+            raise _errors.negative(n)
+        # Allocated before the reads; 3.12+ runs the collection at the next call.
+        ret: list[B] = []
+        steps = range(n)
+        num = self._num_free_blocks
+        if n > num:
+            raise _errors.too_many(n, num)
+        tail = self._tail
+        curr = head.next_free_block
         # One pass, as vLLM's. At every bytecode the first block not yet taken is
         # `next_block` once `curr` is in `ret`, else `curr`: the handler relinks
         # the taken blocks before it.
-        ret: list[B] = []
         next_block = curr
         try:
-            for _ in range(n):
+            for _ in steps:
                 if curr is None or curr is tail:
                     raise _errors.out_of_sync(num)
                 next_block = curr.next_free_block
@@ -264,7 +272,6 @@ class FreeKVCacheBlockQueue(Generic[B]):
             self._num_free_blocks = num - n
         except BaseException:
             self._undo(head, ret, next_block if ret and ret[-1] is curr else curr)
-            self._num_free_blocks = num
             raise
         return ret
 
@@ -285,15 +292,13 @@ class FreeKVCacheBlockQueue(Generic[B]):
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
             return self._misuse("remove", block, "not_linked")
-        num = self._num_free_blocks
         try:
             prev_block.next_free_block = next_block
             next_block.prev_free_block = prev_block
             block.prev_free_block = block.next_free_block = None
-            self._num_free_blocks = num - 1
+            self._num_free_blocks -= 1
         except BaseException:
             self._undo(prev_block, (block,), next_block)
-            self._num_free_blocks = num
             raise
 
     def append(self, block: B, /) -> None:
@@ -313,7 +318,6 @@ class FreeKVCacheBlockQueue(Generic[B]):
             return self._misuse("append", block, kind)
         if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
             return self._misuse("append", block, "other_pool")
-        num = self._num_free_blocks
         # The one-block link, written out here and in append_n: a call to a
         # helper costs as much as the link itself.
         try:
@@ -321,10 +325,9 @@ class FreeKVCacheBlockQueue(Generic[B]):
             block.prev_free_block = last_block
             block.next_free_block = tail
             tail.prev_free_block = block
-            self._num_free_blocks = num + 1
+            self._num_free_blocks += 1
         except BaseException:
             self._undo(last_block, (), tail, (block,))
-            self._num_free_blocks = num
             raise
 
     def append_n(self, blocks: Iterable[B], /) -> None:
@@ -337,10 +340,6 @@ class FreeKVCacheBlockQueue(Generic[B]):
             blocks = _core.as_sequence(blocks, "append_n")
         if not blocks:
             return
-        tail: Any = self._tail
-        last_block = tail.prev_free_block
-        if last_block is None:
-            raise AssertionError(_errors.TAIL_LOST)
         if len(blocks) == 1:
             # One block, the most frequent batch, linked as append() links it. Only an
             # exact-type, unlinked block of the pool takes this path; _link reports the rest.
@@ -351,19 +350,21 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 and block.next_free_block is None
                 and (self._pool is None or block.pool is self._pool)  # type: ignore[attr-defined]
             ):
-                num = self._num_free_blocks
+                tail: Any = self._tail
+                last_block = tail.prev_free_block
+                if last_block is None:
+                    raise AssertionError(_errors.TAIL_LOST)
                 try:
                     last_block.next_free_block = block
                     block.prev_free_block = last_block
                     block.next_free_block = tail
                     tail.prev_free_block = block
-                    self._num_free_blocks = num + 1
+                    self._num_free_blocks += 1
                 except BaseException:
                     self._undo(last_block, (), tail, (block,))
-                    self._num_free_blocks = num
                     raise
                 return
-        self._link("append_n", last_block, tail, blocks)
+        self._link("append_n", False, blocks)
 
     def prepend_n(self, blocks: Iterable[B], /) -> None:
         """Put ``blocks`` at the front of the queue (evicted first), in order.
@@ -375,21 +376,17 @@ class FreeKVCacheBlockQueue(Generic[B]):
             blocks = _core.as_sequence(blocks, "prepend_n")
         if not blocks:
             return
-        head: Any = self._head
-        first_block = head.next_free_block
-        if first_block is None:
-            raise AssertionError(_errors.HEAD_LOST)
-        self._link("prepend_n", head, first_block, blocks)
+        self._link("prepend_n", True, blocks)
 
     def _link(
         self,
         method: str,
-        left: Any,
-        right: Any,
+        front: bool,
         blocks: Sequence[B],
         screened: bool = False,
+        checked: bool = False,
     ) -> bool:
-        """Link the non-empty ``blocks`` between ``left`` and ``right``; whether it did.
+        """Link the non-empty ``blocks`` at the front or the end; whether it did.
 
         Each block is checked as it is linked; on the first bad one the links
         made so far are undone. A block seen twice is caught because its first
@@ -398,27 +395,32 @@ class FreeKVCacheBlockQueue(Generic[B]):
         the list. Under ``"repair"`` a bad batch is screened and its good
         blocks linked; ``screened`` marks that second pass, which returns
         False, with nothing linked, if one of them was linked meanwhile.
+        ``checked``: the blocks' classes and pools are checked in a pass of
+        their own (a bound queue's, or a batch with a subclass's block).
         """
-        # A finalizer moved the end since the repair read it from the sentinel (on
-        # 3.10 the call itself allocates a frame, which can start a collection).
-        # Only the sentinel's link is compared: the block's may be a caller's
-        # corruption, which no retry mends, and the compiled twin links there.
-        if screened and (
-            left.next_free_block is not right
-            if method == "prepend_n"
-            else right.prev_free_block is not left
-        ):
-            return False
         block_type = self._block_type
-        num = self._num_free_blocks
-        # A bound queue's pool is checked in a pass of its own, which leaves the
-        # linking loop as it is for an unbound one: the loop stops where it found
-        # the first block of another pool, and that block fails there.
-        run = blocks if self._pool is None else self._pool_prefix(blocks)
+        run = blocks
+        if checked or self._pool is not None:
+            # The loop then stops where this pass found the first bad block, and
+            # that block fails there.
+            run = self._checked_prefix(blocks)
+            checked = True
+        it = iter(run)  # allocated by a call before the ends are read, as in popleft_n
+        if front:
+            left: Any = self._head
+            right = left.next_free_block
+            if right is None:
+                raise AssertionError(_errors.HEAD_LOST)
+        else:
+            right = self._tail
+            left = right.prev_free_block
+            if left is None:
+                raise AssertionError(_errors.TAIL_LOST)
         prev: Any = left
         try:
-            for block in run:
-                if type(block) is not block_type and not is_block(block, block_type):
+            for block in it:
+                # A subclass's check runs Python code: not while the batch is half linked.
+                if type(block) is not block_type and not checked:
                     break
                 if block.prev_free_block is not None or block.next_free_block is not None:
                     break
@@ -429,38 +431,42 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 if run is blocks:
                     prev.next_free_block = right
                     right.prev_free_block = prev
-                    self._num_free_blocks = num + len(blocks)
+                    self._num_free_blocks += len(blocks)
                     return True
                 block = blocks[len(run)]
             position = self._undo(left, (), right, blocks)
         except BaseException:
             self._undo(left, (), right, blocks)
-            self._num_free_blocks = num
             raise
         if type(block) is not block_type and not is_block(block, block_type):
             raise _core.not_a_block(block, block_type, f"{method}()")
         linked = block.prev_free_block is not None or block.next_free_block is not None
+        if not checked and not linked:
+            return self._link(method, front, blocks, screened, checked=True)
         if not linked and self._pool is not None:
             block.pool  # type: ignore[attr-defined]  # noqa: B018 (unset: AttributeError)
         kind = _core.link_misuse(block, blocks, position, linked, (self._head, self._tail))
         if screened:
             return False
         if self._on_misuse == "repair":
-            self._link_repaired(method, blocks)
+            self._link_repaired(method, front, blocks)
             return True
         raise _core.misuse(method, kind, block)
 
-    def _pool_prefix(self, blocks: Sequence[B]) -> Sequence[B]:
-        """``blocks`` if all are blocks of the pool, else those before the first that
-        is not (the compiled twin's ``_pool_run`` gives that index)."""
+    def _checked_prefix(self, blocks: Sequence[B]) -> Sequence[B]:
+        """``blocks`` if all are blocks of the queue's class (and of its pool, if it
+        is bound), else those before the first that is not (the compiled twin's
+        ``_pool_run`` gives that index)."""
         block_type = self._block_type
         pool = self._pool
         for i, block in enumerate(blocks):
-            if not is_block(block, block_type) or getattr(block, "pool", None) is not pool:
+            if not is_block(block, block_type) or (
+                pool is not None and getattr(block, "pool", None) is not pool
+            ):
                 return blocks[:i]
         return blocks
 
-    def _link_repaired(self, method: str, blocks: Sequence[B]) -> None:
+    def _link_repaired(self, method: str, front: bool, blocks: Sequence[B]) -> None:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
 
         Raises TypeError, with nothing linked, if the batch holds a non-block.
@@ -469,22 +475,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """
         while True:
             good, skipped = self._screen(method, blocks)
-            if not good:
+            if not good or self._link(method, front, good, screened=True):
                 break
-            head: Any = self._head
-            tail: Any = self._tail
-            if method == "prepend_n":
-                first = head.next_free_block
-                if first is None:
-                    raise AssertionError(_errors.HEAD_LOST)
-                if self._link(method, head, first, good, screened=True):
-                    break
-            else:
-                last = tail.prev_free_block
-                if last is None:
-                    raise AssertionError(_errors.TAIL_LOST)
-                if self._link(method, last, tail, good, screened=True):
-                    break
         for block, kind in skipped:
             self._misuse(method, block, kind)
 
@@ -570,11 +562,12 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
         Raises RuntimeError if the list is corrupted (longer than its count).
         """
+        # Allocated by a call: 3.12+ runs the collection there, before the reads.
+        ret: list[B] = list()  # noqa: C408
         curr: Any = self._head.next_free_block
         if curr is None:
             raise RuntimeError(_errors.HEAD_LOST)
         limit = self._num_free_blocks - self._offset
-        ret: list[B] = []
         while (next_block := curr.next_free_block) is not None:
             if len(ret) >= limit:
                 raise _errors.too_long(limit)

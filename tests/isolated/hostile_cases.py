@@ -33,15 +33,27 @@ class _PopOnCollect:
         self.queue.popleft()
 
 
-def _collect_inside(mod: ModuleType, method: str) -> None:
+class _Sub(KVCacheBlock):
+    """A subclass's block: the pure twin checks it by running Python code."""
+
+    __slots__ = ()
+
+
+def _collect_inside(mod: ModuleType, method: str, batch: int = 0, subclass: bool = False) -> None:
     # The queue holds the only references to its blocks, so the popped one is
     # freed inside the call. 3.11 collects at the allocation itself (3.12+
     # defers to the next bytecode); the list free list is drained so that the
     # method's list allocation is one the collector counts.
     queue = mod.FreeKVCacheBlockQueue([KVCacheBlock(i) for i in range(40)])
     call = getattr(queue, method)  # a bound method is an allocation: make it first
-    args = (2,) if method == "popleft_n" else ()
-    for _ in range(5):
+    for i in range(5):
+        if batch:
+            blocks = queue.popleft_n(batch)
+            if subclass:
+                blocks[-1] = _Sub(100 + i)
+            args: tuple[Any, ...] = (blocks,)
+        else:
+            args = (2,) if method == "popleft_n" else ()
         gc.set_threshold(0)
         drained: list[Any] = [[] for _ in range(100)]
         _PopOnCollect(queue)
@@ -52,7 +64,7 @@ def _collect_inside(mod: ModuleType, method: str) -> None:
             gc.set_threshold(700)
         del drained
         assert well_formed(queue) is None, well_formed(queue)
-        assert all(b.block_id >= 0 for b in result)
+        assert all(b.block_id >= 0 for b in result or ())
 
 
 def collect_inside_popleft_n(name: str) -> None:
@@ -61,6 +73,19 @@ def collect_inside_popleft_n(name: str) -> None:
 
 def collect_inside_get_all_free_blocks(name: str) -> None:
     _collect_inside(importlib.import_module(name), "get_all_free_blocks")
+
+
+def collect_inside_append_n(name: str) -> None:
+    _collect_inside(importlib.import_module(name), "append_n", batch=3)
+
+
+def collect_inside_prepend_n(name: str) -> None:
+    _collect_inside(importlib.import_module(name), "prepend_n", batch=3)
+
+
+def collect_inside_a_batch_with_a_subclass_block(name: str) -> None:
+    for method in ("append_n", "prepend_n"):
+        _collect_inside(importlib.import_module(name), method, batch=3, subclass=True)
 
 
 def repr_finds_the_half_built_result(name: str) -> None:
@@ -223,12 +248,12 @@ CASES = (
     "constructor_reenters_init",
     "collect_inside_popleft_n",
     "collect_inside_get_all_free_blocks",
+    "collect_inside_append_n",
+    "collect_inside_prepend_n",
+    "collect_inside_a_batch_with_a_subclass_block",
     "repr_finds_the_half_built_result",
     "metaclass_lends_a_foreign_slot",
     "constructor_shrinks_the_batch",
     "dying_cursor_block_advances_the_cursor",
     "repair_at_a_forgotten_end",
 )
-# The pure twin can be re-entered by a collection between any two bytecodes,
-# as vLLM's own queue can: only the compiled twin promises these stay whole.
-COMPILED_ONLY = ("collect_inside_popleft_n", "collect_inside_get_all_free_blocks")
