@@ -14,9 +14,9 @@ checked here: the compiled twin checks them because it must never crash.
 The list's invariants, kept by every call, whether it returns or raises, even
 for an exception raised asynchronously between two of its bytecodes (a
 ``KeyboardInterrupt``, or the ``SystemExit`` of vLLM's signal handlers): each
-method writes the list only inside a ``try`` whose handler puts back every link,
-all absolute writes that need no progress marker. The count is written last in
-the ``try``, so a handler never finds it written. And, as in the compiled twin,
+method writes the list only inside a ``try`` whose handler puts back every link
+and the count it read, all absolute writes that need no progress marker. And, as
+in the compiled twin,
 no Python code runs between a method's first read of the list and its last
 write: the allocations that may start a collection, whose finalizers may call
 the queue, and the checks of a subclass's blocks, come before the reads.
@@ -193,9 +193,9 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """
         head: Any = self._head
         first: B = head.next_free_block
+        num = self._num_free_blocks
         if first is self._tail or first is None:
             # vLLM asserts that the count is 0 here before it raises ValueError.
-            num = self._num_free_blocks
             if num != 0:
                 raise _errors.out_of_sync(num)
             raise _errors.empty()
@@ -206,9 +206,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
             head.next_free_block = next_block
             next_block.prev_free_block = head
             first.prev_free_block = first.next_free_block = None
-            self._num_free_blocks -= 1
+            self._num_free_blocks = num - 1
         except BaseException:
             self._undo(head, (first,), next_block)
+            self._num_free_blocks = num
             raise
         return first
 
@@ -239,6 +240,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 self._num_free_blocks = num - 1
             except BaseException:
                 self._undo(head, (curr,), next_block)
+                self._num_free_blocks = num
                 raise
             return [curr]
         if n <= 0:
@@ -272,6 +274,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             self._num_free_blocks = num - n
         except BaseException:
             self._undo(head, ret, next_block if ret and ret[-1] is curr else curr)
+            self._num_free_blocks = num
             raise
         return ret
 
@@ -292,13 +295,15 @@ class FreeKVCacheBlockQueue(Generic[B]):
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
             return self._misuse("remove", block, "not_linked")
+        num = self._num_free_blocks
         try:
             prev_block.next_free_block = next_block
             next_block.prev_free_block = prev_block
             block.prev_free_block = block.next_free_block = None
-            self._num_free_blocks -= 1
+            self._num_free_blocks = num - 1
         except BaseException:
             self._undo(prev_block, (block,), next_block)
+            self._num_free_blocks = num
             raise
 
     def append(self, block: B, /) -> None:
@@ -318,6 +323,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             return self._misuse("append", block, kind)
         if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
             return self._misuse("append", block, "other_pool")
+        num = self._num_free_blocks
         # The one-block link, written out here and in append_n: a call to a
         # helper costs as much as the link itself.
         try:
@@ -325,9 +331,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
             block.prev_free_block = last_block
             block.next_free_block = tail
             tail.prev_free_block = block
-            self._num_free_blocks += 1
+            self._num_free_blocks = num + 1
         except BaseException:
             self._undo(last_block, (), tail, (block,))
+            self._num_free_blocks = num
             raise
 
     def append_n(self, blocks: Iterable[B], /) -> None:
@@ -354,14 +361,16 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 last_block = tail.prev_free_block
                 if last_block is None:
                     raise AssertionError(_errors.TAIL_LOST)
+                num = self._num_free_blocks
                 try:
                     last_block.next_free_block = block
                     block.prev_free_block = last_block
                     block.next_free_block = tail
                     tail.prev_free_block = block
-                    self._num_free_blocks += 1
+                    self._num_free_blocks = num + 1
                 except BaseException:
                     self._undo(last_block, (), tail, (block,))
+                    self._num_free_blocks = num
                     raise
                 return
         self._link("append_n", False, blocks)
@@ -416,6 +425,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             left = right.prev_free_block
             if left is None:
                 raise AssertionError(_errors.TAIL_LOST)
+        num = self._num_free_blocks
         prev: Any = left
         try:
             for block in it:
@@ -431,12 +441,13 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 if run is blocks:
                     prev.next_free_block = right
                     right.prev_free_block = prev
-                    self._num_free_blocks += len(blocks)
+                    self._num_free_blocks = num + len(blocks)
                     return True
                 block = blocks[len(run)]
             position = self._undo(left, (), right, blocks)
         except BaseException:
             self._undo(left, (), right, blocks)
+            self._num_free_blocks = num
             raise
         if type(block) is not block_type and not is_block(block, block_type):
             raise _core.not_a_block(block, block_type, f"{method}()")

@@ -189,8 +189,11 @@ def _operation(
         block = pool.pop()
         return lambda: queue.append(block)
     if roll < 0.65 and size:
-        block = queue.get_all_free_blocks()[rng.randrange(size)]
-        return lambda: queue.remove(block)
+        # A collection inside the snapshot may shrink the queue below `size`.
+        free = queue.get_all_free_blocks()
+        if free:
+            block = free[rng.randrange(len(free))]
+            return lambda: queue.remove(block)
     if roll < 0.72:
         start = rng.choice([None, *queue.get_all_free_blocks()[:2]])
         cursors.append(queue.iter_blocks_after(start))
