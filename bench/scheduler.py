@@ -13,15 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import inspect
-import json
 import os
 import random
 import sys
-import time
 from importlib import metadata
-from pathlib import Path
 from statistics import median
 from typing import Any
 
@@ -166,7 +162,7 @@ def probe_guard(recorded: dict[str, Any], twins: list[str], reps: int, rng: rand
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """One fresh process: per workload, one untimed run per contender (every contender's code
     and data warm), then ``reps`` timed runs each in a new random order, then the probes."""
-    cpu = launch.pin(job.get("cpu"))
+    cpu = launch.pin()
     rng = random.Random(job["seed"])
     model = sched_engine.model_dir()
     result: dict[str, Any] = {"cpu": cpu, "pid": os.getpid(), "workloads": {}}
@@ -242,33 +238,21 @@ def check(workloads: list[str], contenders: list[str]) -> int:
     return 1 if failures else 0
 
 
-def kvqueue_stamp() -> str:
-    """A hash of the kvqueue package the workers import (its files, .so included)."""
-    import kvqueue
-
-    digest = hashlib.sha256()
-    for path in sorted(Path(kvqueue.__file__).parent.iterdir()):
-        if path.is_file():
-            digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(args.seed)
+    rng = random.Random(0)
     jobs = [
-        {"round": round_, "workloads": args.workloads, "contenders": args.contenders,
-         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu,
-         "cost_reps": args.cost_reps}
+        {"label": f"round {round_ + 1}", "workloads": args.workloads,
+         "contenders": args.contenders, "seed": rng.randrange(2**32), "reps": args.reps,
+         "quick": args.quick, "cost_reps": args.cost_reps}
         for round_ in range(args.processes)
     ]  # fmt: skip
-    records = launch.run(__file__, jobs, lambda job: f"round {job['round'] + 1}")
-    settings = ("processes", "reps", "cost_reps", "quick", "seed", "contenders", "skipped")
+    records = launch.run(worker, jobs)
+    settings = ("processes", "reps", "cost_reps", "quick", "contenders", "skipped")
     return {
         "machine": launch.describe(),
         "vllm": metadata.version("vllm"),
         "settings": {k: getattr(args, k) for k in settings},
         "loadavg": os.getloadavg(),
-        "kvqueue_sources": kvqueue_stamp(),
         "records": records,
     }
 
@@ -405,8 +389,9 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = launch.parser(__doc__, "fresh processes (7; quick 3)", "3 processes, half the steps")
+    parser = launch.parser(__doc__, "3 processes, half the steps")
     parser.add_argument("--check", action="store_true", help="equivalence only, no timing")
+    parser.add_argument("--processes", type=int, help="fresh processes (7; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
     parser.add_argument(
         "--cost-reps",
@@ -419,13 +404,6 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default=",".join(sched_workload.WORKLOADS), help="comma-separated"
     )
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return 0
-    if args.summarize:
-        data = json.loads(args.summarize.read_text())
-        print(markdown(data, summarize(data)))
-        return 0
     args.workloads = args.workloads.split(",")
     args.contenders = [REFERENCE] + [c for c in args.contenders.split(",") if c != REFERENCE]
     unknown = set(args.contenders) - set(CONTENDERS)
@@ -443,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (3 if args.quick else 5)
     data = run(args)
     data["summary"] = summarize(data)
-    out = launch.save(data, args.out, f"scheduler-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = launch.save(data, args.out, "scheduler")
     print(markdown(data, data["summary"]))
     print(f"\n(raw results: {out})", file=sys.stderr)
     return 0
