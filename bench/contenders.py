@@ -16,13 +16,11 @@ import importlib
 import importlib.machinery
 import io
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
-from functools import cache
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -35,75 +33,53 @@ import sdist  # noqa: E402  (vllm_tests/sdist.py: the cache root, the pin, the d
 QUEUE_FILE = "vllm/v1/core/kv_cache_utils.py"
 
 
-def _name(version: str) -> str:
-    return "vllm-" + ".".join(version.split(".")[:2])
-
-
 # vLLM 0.30.0 is the seed's baseline: every ratio is taken against it. Beside it, the release
 # vllm_tests/vllm.env pins (newer ones have a local-variable / single-block fast path).
-REFERENCE, PINNED = _name("0.30.0"), _name(sdist.VLLM_VERSION)
+REFERENCE, PINNED = "vllm-0.30", "vllm-" + ".".join(sdist.VLLM_VERSION.split(".")[:2])
 VLLM_VERSIONS = {REFERENCE: "0.30.0", PINNED: sdist.VLLM_VERSION}
 # With no vLLM (--quick), ratios are taken against the pure twin instead.
 FALLBACK_REFERENCE = "pure"
+# The C floor, with no O(1) ``remove``: each case spells out its own deque cycle.
 DEQUE = "deque"
 ALL = (*VLLM_VERSIONS, "pure", "cython", DEQUE)
 QUICK = ("pure", "cython", DEQUE)
 TWINS = {"pure": "_queue_py", "cython": "_queue"}
 
 
-@dataclass(frozen=True)
-class Contender:
-    name: str
-    # None for the deque, which is not a block queue: each case spells out its deque cycle.
-    queue_class: type | None
-    origin: str
-
-
-def load(name: str, *, download: bool) -> Contender:
-    """The contender ``name``; LookupError (with the reason) when it cannot be had."""
+def load(name: str) -> type:
+    """The queue class of contender ``name`` (``collections.deque`` for the deque); LookupError
+    (with the reason) when it cannot be had."""
     if name == DEQUE:
-        return Contender(name, None, "collections.deque")
+        return deque
     twin, at, rev = name.partition("@")
     if twin in TWINS:
         module = _baseline_module(rev, TWINS[twin]) if at else f"kvqueue.{TWINS[twin]}"
         try:
-            queue_class = importlib.import_module(module).FreeKVCacheBlockQueue
+            queue_class: type = importlib.import_module(module).FreeKVCacheBlockQueue
         except ImportError as exc:
             raise LookupError(f"{module} is not importable ({exc})") from exc
-        return Contender(name, queue_class, f"{module} at {rev}" if at else module)
-    version = VLLM_VERSIONS.get(name)
-    if version is None:
-        raise LookupError(f"unknown contender {name!r} (known: {', '.join(ALL)})")
-    if not download and not _vllm_path(version).is_file():
-        raise LookupError(f"vllm {version}'s sources are not cached (no download)")
-    return Contender(name, _vllm_queue(version), f"vllm {version} sdist, {QUEUE_FILE}")
+        return queue_class
+    return _vllm_queue(VLLM_VERSIONS[name])
 
 
-# -- vLLM's queue, from its sdist
-
-
-def _vllm_path(version: str) -> Path:
-    return sdist.cache_dir() / f"vllm-{version}-src" / QUEUE_FILE
-
-
-@cache
 def _vllm_queue(version: str) -> type:
-    """The class alone, exec'd in a fresh namespace with ``KVCacheBlock`` bound to kvqueue's
+    """vLLM's class alone, exec'd in a fresh namespace with ``KVCacheBlock`` bound to kvqueue's
     (annotations not evaluated)."""
-    path = _vllm_path(version)
+    path = sdist.cache_dir() / f"vllm-{version}-src" / QUEUE_FILE
     if not path.is_file():
-        archive = sdist.download(version)
-        with tarfile.open(archive) as tar:
-            member = tar.extractfile(f"vllm-{version}/{QUEUE_FILE}")
-            if member is None:
-                raise LookupError(f"{archive} holds no {QUEUE_FILE}")
-            text = member.read()
+        try:
+            archive = sdist.download(version)
+        except OSError as exc:  # offline: the run goes on without this contender
+            raise LookupError(f"vllm {version}'s sdist: {exc}") from exc
+        with tarfile.open(archive) as tar:  # KeyError (a LookupError) if the file is missing
+            text = tar.extractfile(f"vllm-{version}/{QUEUE_FILE}").read()  # type: ignore[union-attr]
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Written whole, then renamed: an interrupted write leaves no half file behind.
         partial = path.with_suffix(".partial")
         partial.write_bytes(text)
         partial.replace(path)
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes = [
+    nodes: list[ast.stmt] = [
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FreeKVCacheBlockQueue"
     ]
     if not nodes:
@@ -145,17 +121,11 @@ def _extract(commit: str, root: Path) -> None:
     """``src/kvqueue`` at ``commit`` as ``root/kvqueue_base``, its imports rewritten."""
     archive = _git("archive", "--format=tar", f"{commit}:src/kvqueue")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        for member in tar.getmembers():
-            if not member.isfile():
-                continue
-            target = root / BASE / member.name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = tar.extractfile(member).read()  # type: ignore[union-attr]
-            if target.suffix in (".py", ".pyx", ".pyi"):
-                text = _FROM.sub(rf"\g<1>{BASE}", data.decode("utf-8"))
-                text = _IMPORT.sub(rf"\g<1>{BASE} as kvqueue", text)
-                data = _C_NAMES.sub("KvqBaseQueue", text).encode("utf-8")
-            target.write_bytes(data)
+        tar.extractall(root / BASE, filter="data")
+    for path in (root / BASE).rglob("*.py*"):  # .py, .pyx, .pyi
+        text = _FROM.sub(rf"\g<1>{BASE}", path.read_text(encoding="utf-8"))
+        text = _IMPORT.sub(rf"\g<1>{BASE} as kvqueue", text)
+        path.write_text(_C_NAMES.sub("KvqBaseQueue", text), encoding="utf-8")
 
 
 def _baseline_module(rev: str, name: str) -> str:
@@ -165,29 +135,16 @@ def _baseline_module(rev: str, name: str) -> str:
     root = sdist.cache_dir() / "baseline" / commit
     if not (root / BASE / f"_queue{importlib.machinery.EXTENSION_SUFFIXES[0]}").is_file():
         if not (root / BASE).is_dir():
-            # Staged, then renamed: an interrupted extraction leaves no half package behind.
+            # Staged, then renamed: an interrupted extraction leaves no half package behind
+            # (the staging directory, renamed away, is no error to clean up).
             root.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-            try:
-                _extract(commit, staging)
-                staging.rename(root)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
+            with tempfile.TemporaryDirectory(dir=root.parent, ignore_cleanup_errors=True) as tmp:
+                _extract(commit, Path(tmp))
+                Path(tmp).rename(root)
         print(f"baseline: building kvqueue {rev} in {root} ...", file=sys.stderr)
+        cythonize = [sys.executable, "-m", "Cython.Build.Cythonize", "-i", "-q", "-3"]
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "Cython.Build.Cythonize",
-                "-i",
-                "-q",
-                "-3",
-                f"{BASE}/_queue.pyx",
-            ],
-            cwd=root,
-            stdout=subprocess.DEVNULL,
-            check=True,
+            [*cythonize, f"{BASE}/_queue.pyx"], cwd=root, stdout=subprocess.DEVNULL, check=True
         )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))

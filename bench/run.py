@@ -1,76 +1,42 @@
 """Benchmark kvqueue's twins against vLLM's own FreeKVCacheBlockQueue and collections.deque.
 
-Usage and method: bench/README.md. Each case runs in fresh processes of this script
-(``--worker``); the Markdown tables go to stdout, the raw samples to a JSON file and the ratio
-chart to a PNG beside it. It times whatever ``kvqueue`` imports.
+Usage and method: bench/README.md. Each case runs in fresh processes; the Markdown tables go to
+stdout, the raw samples to a JSON file and the ratio chart to a PNG beside it. A results file
+holds ``machine``, ``settings`` (with the ``reference`` contender) and ``records``, one per
+process, each with every raw sample in ns per cycle. It times whatever ``kvqueue`` imports.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
-import platform
 import random
 import sys
 import time
+import timeit
 from pathlib import Path
+from statistics import median
 from time import perf_counter_ns
 from typing import Any
 
 import cases
-import chart
 import contenders
 import launch
-import report
+from contenders import PINNED, REFERENCE
+from launch import Estimate, bootstrap_median, interval, short
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = launch.parser(
-        __doc__, "fresh processes per case (11; quick 3)", "smoke test: small, no vLLM"
-    )
-    parser.add_argument("--samples", type=int, help="samples per process (9; quick 5)")
-    parser.add_argument("--sample-ms", type=float, help="reference time per sample (20; quick 2)")
-    parser.add_argument("--contenders", help=f"comma-separated, from {','.join(contenders.ALL)}")
-    parser.add_argument("--only", help="run only the cases whose key contains this text")
-    parser.add_argument("--no-download", action="store_true", help="skip vLLM not cached")
-    parser.add_argument("--baseline", metavar="REV", help="also time the twins at git REV")
-    args = parser.parse_args(argv)
-    if args.worker:
-        return args
-    defaults = (3, 5, 2.0) if args.quick else (11, 9, 20.0)
-    args.processes = args.processes or defaults[0]
-    args.samples = args.samples or defaults[1]
-    args.sample_ms = args.sample_ms or defaults[2]
-    chosen = contenders.QUICK if args.quick else contenders.ALL
-    args.contenders = args.contenders.split(",") if args.contenders else list(chosen)
-    if args.baseline:
-        try:
-            args.baseline = contenders.resolve(args.baseline)
-        except LookupError as exc:
-            raise SystemExit(f"--baseline: {exc}") from exc
-        # Each twin's old build just before it: the table reads old, new.
-        args.contenders = [
-            run
-            for name in args.contenders
-            for run in ((f"{name}@{args.baseline}", name) if name in contenders.TWINS else (name,))
-        ]
-    return args
+# Processes per case, samples per process, the reference's time per sample (ms).
+FULL, QUICK = (11, 9, 20.0), (3, 5, 2.0)
 
 
 # -- one fresh process: one case, every contender
 
 
 def timed(bench: cases.Bench, loops: int) -> int:
+    """One sample: ``loops`` cycles, in ns. timeit pauses the collector: a collection landing in
+    one sample would be charged to one contender."""
     bench.prepare()
-    # As timeit does: a collection landing in one sample would be charged to one contender.
-    gc.disable()
-    start = perf_counter_ns()
-    bench.run(loops)
-    elapsed = perf_counter_ns() - start
-    gc.enable()
-    return elapsed
+    return int(timeit.Timer(lambda: bench.run(loops), timer=perf_counter_ns).timeit(1))
 
 
 def calibrate(bench: cases.Bench, target_ns: int) -> tuple[int, int]:
@@ -85,16 +51,15 @@ def calibrate(bench: cases.Bench, target_ns: int) -> tuple[int, int]:
 
 
 def measure(job: dict[str, Any]) -> dict[str, Any]:
-    cpu = launch.pin(job.get("cpu"))
+    cpu = launch.pin()
     case = next(c for c in cases.all_cases() if c.key == job["case"])
     rng = random.Random(job["seed"])
     names = list(job["contenders"])
-    loaded = {name: contenders.load(name, download=False) for name in names}
     rng.shuffle(names)
     benches = {}
     for name in names:
         # The same seed for all: every contender walks the same shuffled orders.
-        bench = case.build(loaded[name], case.pool, random.Random(job["seed"]))
+        bench = case.build(contenders.load(name), case.pool, random.Random(job["seed"]))
         if bench is not None:
             benches[name] = bench
     gc.collect()
@@ -105,13 +70,12 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
         loops, spent = 1, 0
     else:
         loops, spent = calibrate(benches[reference], job["target_ns"])
-    orders = {}
     for name, bench in benches.items():
         if name != reference and spent:
             bench.run(spent)
         timed(bench, loops)
-        orders[name] = bench.ids()
-    wrong = [name for name, order in orders.items() if order != orders[reference]]
+    expected = benches[reference].ids()
+    wrong = [name for name, bench in benches.items() if bench.ids() != expected]
     if wrong:
         raise SystemExit(f"{case.key}: {wrong} disagree with {reference}: a wrong queue")
 
@@ -133,81 +97,248 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 # -- the parent
 
 
-def bench(args: argparse.Namespace) -> dict[str, Any]:
-    names, skipped = [], {}
-    for name in args.contenders:
+def bench(quick: bool, baseline: str | None) -> dict[str, Any]:
+    processes, samples, sample_ms = QUICK if quick else FULL
+    wanted = contenders.QUICK if quick else contenders.ALL
+    if baseline:
         try:
-            contenders.load(name, download=not (args.quick or args.no_download))
+            baseline = contenders.resolve(baseline)
+        except LookupError as exc:
+            raise SystemExit(f"--baseline: {exc}") from exc
+        # Each twin's old build just before it: the table reads old, new.
+        twin_runs = {twin: (f"{twin}@{baseline}", twin) for twin in contenders.TWINS}
+        wanted = tuple(run for name in wanted for run in twin_runs.get(name, (name,)))
+    names, skipped = [], {}
+    for name in wanted:
+        try:
+            contenders.load(name)
         except LookupError as exc:
             skipped[name] = str(exc)
             print(f"skipping {name}: {exc}", file=sys.stderr)
             continue
         names.append(name)
     fallback = contenders.FALLBACK_REFERENCE
-    reference = contenders.REFERENCE if contenders.REFERENCE in names else fallback
+    reference = REFERENCE if REFERENCE in names else fallback
     if reference not in names:
-        raise SystemExit(f"no reference: neither {contenders.REFERENCE} nor {fallback} loads")
-    selected = cases.all_cases()
-    if args.quick:
-        # The small pool and the 100k build keep the smoke test well under a minute.
-        selected = [c for c in selected if c.pool == cases.SMALL_POOL or c.single_shot]
-        selected = [c for c in selected if c.pool <= cases.LARGE_POOL]
-    if args.only:
-        selected = [c for c in selected if args.only in c.key]
-    rng = random.Random(args.seed)
+        raise SystemExit(f"no reference: neither {REFERENCE} nor {fallback} loads")
+    selected = cases.all_cases(quick)
+    rng = random.Random(0)
     jobs = []
-    for round_ in range(args.processes):
-        order = list(selected)
-        rng.shuffle(order)
+    for round_ in range(processes):
         jobs += [
-            {"case": case.key, "round": round_, "seed": rng.randrange(2**32),
-             "contenders": names, "reference": reference, "samples": args.samples,
-             "target_ns": int(args.sample_ms * 1e6), "cpu": args.cpu}
-            for case in order
+            {"case": case.key, "label": f"round {round_ + 1} {case.key}",
+             "round": round_, "seed": rng.randrange(2**32),
+             "contenders": names, "reference": reference, "samples": samples,
+             "target_ns": int(sample_ms * 1e6)}
+            for case in rng.sample(selected, len(selected))
         ]  # fmt: skip
     # Described first: the checkout may move on during a long run.
     described = launch.describe()
     started = time.time()
-    records = launch.run(__file__, jobs, lambda job: f"round {job['round'] + 1} {job['case']}")
+    records = launch.run(measure, jobs)
     settings = {
         "reference": reference, "contenders": names, "skipped": skipped,
         "cases": [case.key for case in selected],
-        **{k: vars(args)[k] for k in ("processes", "samples", "sample_ms", "seed", "quick",
-                                      "baseline")},
+        "processes": processes, "samples": samples, "sample_ms": sample_ms,
+        "quick": quick, "baseline": baseline,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started, 1),
     }  # fmt: skip
     return {"machine": described, "settings": settings, "records": records}
 
 
+# -- the summary: ratios per process, their medians and intervals, the tables, the chart
+
+# The seed's targets, on the large pool: (contender, case, against, at most).
+SINGLETON = "popleft_n(1) + append_n @100000"
+TARGETS = (
+    ("pure", SINGLETON, REFERENCE, 0.83),
+    ("cython", SINGLETON, REFERENCE, 0.20),
+    ("cython", "popleft_n(32) + append_n @100000", REFERENCE, 0.35),
+    ("cython", "remove + append @100000", REFERENCE, 0.50),
+    ("cython", "mix @100000", REFERENCE, 0.25),
+    ("cython", "popleft + append @100000", "deque", 2.5),
+)
+# ... and the pure twin within 10% of the pinned vLLM in every case on the large pool.
+PURE_VS_PINNED = 1.10
+
+
+def ratio(records: list[dict[str, Any]], contender: str, against: str) -> Estimate | None:
+    """Median over processes of (contender's median / against's median) in that process."""
+    per_process = [
+        median(r["samples_ns"][contender]) / median(r["samples_ns"][against])
+        for r in records
+        if contender in r["samples_ns"] and against in r["samples_ns"]
+    ]
+    return bootstrap_median(per_process) if per_process else None
+
+
+def by_case(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The records of each case, in the order of the cases."""
+    records = results["records"]
+    return {key: [r for r in records if r["case"] == key] for key in results["settings"]["cases"]}
+
+
+def fmt_ns(ns: float) -> str:
+    if ns < 1e3:
+        return f"{ns:.0f} ns"
+    if ns < 1e6:
+        return f"{ns / 1e3:.3g} µs"
+    return f"{ns / 1e6:.3g} ms"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _cell(records: list[dict[str, Any]], name: str, reference: str) -> str:
+    """``ratio to the reference · median time per cycle``, or n/a where the case has no such
+    cycle (the deque's ``remove``)."""
+    if name not in records[0]["samples_ns"]:
+        return "n/a"
+    ns = median(median(r["samples_ns"][name]) for r in records)
+    shown = "1" if name == reference else interval(ratio(records, name, reference))
+    return f"{shown} · {fmt_ns(ns)}"
+
+
+def table(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    reference = settings["reference"]
+    names = settings["contenders"]
+    lines = [
+        f"Ratio of time to `{reference}` (median of {settings['processes']} processes x "
+        f"{settings['samples']} samples, [bootstrap 95% interval]) · median time per cycle. "
+        "Every contender held the same order as the reference after the same warm-up.",
+        f"{short(results['machine'])}.",
+        "",
+        _row(["case", "pool", "one cycle", *(f"`{n}`" for n in names)]),
+        "|---|---:|---|" + "---:|" * len(names),
+    ]
+    for records in by_case(results).values():
+        first = records[0]
+        cells = [_cell(records, name, reference) for name in names]
+        lines.append(_row([first["name"], f"{first['pool']:,}", first["cycle"], *cells]))
+    return "\n".join(lines)
+
+
+def targets(results: dict[str, Any]) -> str:
+    """The issue's targets: ✓ whole interval within, ~ median only, ✗ missed."""
+    grouped = by_case(results)
+    lines = ["| target | measured [95% interval] | |", "|---|---|---|"]
+    for contender, key, against, limit in TARGETS:
+        estimate = ratio(grouped.get(key, []), contender, against)
+        label = f"`{contender}` {key} vs `{against}` <= {limit}"
+        lines.append(_target_line(label, estimate, limit))
+    large = {
+        key: estimate
+        for key, records in grouped.items()
+        if records[0]["pool"] == 100_000 and (estimate := ratio(records, "pure", PINNED))
+    }
+    if large:
+        worst = max(large, key=lambda key: large[key].median)
+        label = f"`pure` vs `{PINNED}` <= {PURE_VS_PINNED} in every case (worst: {worst})"
+        lines.append(_target_line(label, large[worst], PURE_VS_PINNED))
+    return "\n".join(lines)
+
+
+def _target_line(label: str, estimate: Estimate | None, limit: float) -> str:
+    if estimate is None:
+        return f"| {label} | not measured | |"
+    mark = "✓" if estimate.high <= limit else "~" if estimate.median <= limit else "✗"
+    return f"| {label} | {interval(estimate)} | {mark} |"
+
+
+def versus(results: dict[str, Any]) -> str:
+    """Each twin against its own build at the baseline revision, in the same processes."""
+    settings = results["settings"]
+    names = settings["contenders"]
+    pairs = [(twin, f"{twin}@{settings['baseline']}") for twin in contenders.TWINS]
+    pairs = [(new, old) for new, old in pairs if new in names and old in names]
+    lines = [
+        f"Ratio of time of each twin today to the same twin at `{settings['baseline']}` "
+        f"(median of {settings['processes']} processes x {settings['samples']} samples, "
+        "[bootstrap 95% interval]); below 1 is faster today.",
+        "",
+        _row(["case", "pool", *(f"`{new}` / `{old}`" for new, old in pairs)]),
+        "|---|---:|" + "---:|" * len(pairs),
+    ]
+    for records in by_case(results).values():
+        first = records[0]
+        cells = [interval(ratio(records, new, old)) for new, old in pairs]
+        lines.append(_row([first["name"], f"{first['pool']:,}", *cells]))
+    return "\n".join(lines)
+
+
+# The chart: pinned vLLM, the twins (their baseline builds hollow), the deque.
+MARKERS = {PINNED: "s", "pure": "o", "cython": "D", "deque": "^"}
+TICKS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3)
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    """One line per case, one marker per contender at its ratio, with its 95% interval.
+    ImportError without matplotlib (the ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reference = results["settings"]["reference"]
+    rows = list(by_case(results).values())
+    names = [n for n in results["settings"]["contenders"] if n != reference]
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.8))
+    height = 0.7 / max(len(names), 1)
+    twins = list(dict.fromkeys(name.partition("@")[0] for name in names))
+    for i, name in enumerate(names):
+        shown = [(y, e) for y, records in enumerate(rows) if (e := ratio(records, name, reference))]
+        twin, at, _ = name.partition("@")
+        ax.errorbar(
+            [e.median for _, e in shown],
+            [y - 0.35 + height * (i + 0.5) for y, _ in shown],
+            xerr=[[e.median - e.low for _, e in shown], [e.high - e.median for _, e in shown]],
+            fmt=MARKERS.get(twin, "o"),
+            color=f"C{twins.index(twin)}",
+            mfc="none" if at else None,
+            capsize=2,
+            label=name,
+            ms=4,
+        )
+    ax.axvline(1.0, color="grey", lw=1, ls="--", label=f"{reference} (reference, = 1)")
+    ax.set_xscale("log")
+    ticks = [t for t in TICKS if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_yticks(range(len(rows)), [f"{r[0]['name']} @{r[0]['pool']:,}" for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ratio to {reference} (log scale; lower is faster), 95% interval")
+    ax.grid(axis="x", which="both", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    title = f"Time of one cycle of each queue operation, as a ratio to {reference}, per case"
+    fig.suptitle(title, fontweight="bold")
+    ax.set_title(short(results["machine"]).replace("; ", "\n"), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def publish(results: dict[str, Any], path: Path) -> None:
-    print(report.table(results))
-    if results["settings"]["reference"] == contenders.REFERENCE:
-        print("\n" + report.targets(results))
-    if report.baseline_pairs(results):
-        print("\n" + report.versus(results))
+    print(table(results))
+    if results["settings"]["reference"] == REFERENCE:
+        print("\n" + targets(results))
+    if results["settings"]["baseline"]:
+        print("\n" + versus(results))
     print(f"\nraw samples: {path}", file=sys.stderr)
     try:
-        chart.draw(results, path.with_suffix(".png"))
-    except ImportError:
-        print(
-            "chart skipped: matplotlib is missing (pip install 'kvqueue[bench]')", file=sys.stderr
-        )
-    else:
+        chart(results, path.with_suffix(".png"))
         print(f"chart: {path.with_suffix('.png')}", file=sys.stderr)
+    except ImportError:
+        print("chart skipped: no matplotlib (pip install 'kvqueue[bench]')", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.worker:
-        print(json.dumps(measure(json.loads(args.worker))))
-    elif args.summarize:
-        publish(json.loads(args.summarize.read_text(encoding="utf-8")), args.summarize)
-    else:
-        results = bench(args)
-        kind = "quick" if args.quick else "full"
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        publish(results, launch.save(results, args.out, f"{stamp}-{platform.node()}-{kind}"))
+def main() -> None:
+    parser = launch.parser(__doc__, "smoke test: small, no vLLM")
+    parser.add_argument("--baseline", metavar="REV", help="also time the twins at git REV")
+    args = parser.parse_args()
+    results = bench(args.quick, args.baseline)
+    publish(results, launch.save(results, args.out, "quick" if args.quick else "full"))
 
 
 if __name__ == "__main__":

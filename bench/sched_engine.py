@@ -1,29 +1,118 @@
-"""vLLM's own ``Scheduler`` on the CPU, driven step by step with a fake model.
+"""vLLM's own ``Scheduler`` on the CPU, driven step by step with a fake model, and the seeded
+workloads it serves.
 
-Built the way vLLM's scheduler tests build it (a model directory holding only a
-``config.json``), so that ``schedule()`` and ``update_from_output()`` run vLLM's real
-``KVCacheManager`` and ``BlockPool``, whose ``FreeKVCacheBlockQueue`` is whatever
-``vllm.v1.core.block_pool`` names when the scheduler is built (``kvqueue.vllm.install()``
-rebinds it). The fake model samples the next token of each request's fixed output
-(sched_workload.Spec), nothing for a prefill chunk, as vLLM's model runner does; requests
-stop at their output length (``ignore_eos``).
+Built as vLLM's scheduler tests build it (a model directory holding only a ``config.json``), it
+runs vLLM's real ``KVCacheManager`` and ``BlockPool``, whose queue is whatever
+``vllm.v1.core.block_pool`` names when it is built (``kvqueue.vllm.install()`` rebinds it). The
+fake model samples the next token of each request's fixed output, as vLLM's model runner does.
+A workload is drawn in advance from a seed, whatever the queue: per request its arrival step,
+its prompt (a recent request's whole conversation, i.e. a follow-up turn; else one of a few
+shared system prompts, Zipf-weighted; else nothing; then a short unique tail) and its output,
+fixed so that a follow-up hits the prefix cache the earlier request filled.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import os
+import random
 import tempfile
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
-
-from sched_workload import Spec, Workload
+from typing import Any, NamedTuple
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    seed: int
+    num_blocks: int  # KV-cache blocks, the null block included
+    block_size: int
+    steps: int  # scheduler steps run
+    warmup_steps: int  # the first steps fill the cache; timing starts after them
+    arrivals_per_step: float  # Poisson mean
+    max_num_seqs: int  # batch slots
+    max_num_batched_tokens: int  # token budget per step (chunked prefill)
+    num_system_prompts: int
+    system_prompt_blocks: tuple[int, int]  # full blocks, inclusive range
+    shared_fraction: float  # share of requests that start with a system prompt
+    tail_tokens: tuple[int, int]  # unique prompt tail, inclusive range
+    output_tokens: tuple[int, int]  # inclusive range
+    followup_fraction: float  # share of requests that continue a recent conversation
+    followup_window: int  # ... chosen among this many latest requests
+    max_context_tokens: int  # a follow-up longer than this starts a new conversation
+    vocab: int = 32000
+
+
+DECODE_HEAVY = Workload(
+    name="decode-heavy", seed=6, num_blocks=4096, block_size=16, steps=1200, warmup_steps=300,
+    arrivals_per_step=0.25, max_num_seqs=128, max_num_batched_tokens=8192,
+    num_system_prompts=4, system_prompt_blocks=(2, 8), shared_fraction=0.3,
+    tail_tokens=(16, 128), output_tokens=(128, 1024),
+    followup_fraction=0.2, followup_window=32, max_context_tokens=4096,
+)  # fmt: skip
+# The same engine, many short requests on popular long prompts.
+PREFIX_HEAVY = replace(
+    DECODE_HEAVY, name="prefix-heavy", steps=800, warmup_steps=200,
+    arrivals_per_step=2.0, max_num_seqs=64,
+    num_system_prompts=16, system_prompt_blocks=(16, 64), shared_fraction=0.9,
+    tail_tokens=(8, 96), output_tokens=(8, 64),
+    followup_fraction=0.4, followup_window=256,
+)  # fmt: skip
+WORKLOADS = {w.name: w for w in (DECODE_HEAVY, PREFIX_HEAVY)}
+
+
+class Spec(NamedTuple):
+    """One request of a workload: vLLM's ``Request`` is built from it when it arrives."""
+
+    request_id: str
+    arrival_step: int
+    prompt: list[int]
+    output: list[int]
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    limit, k, p = math.exp(-mean), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k
+
+
+def make_workload(w: Workload) -> list[Spec]:
+    """The seeded request list of ``w``, in arrival order. O(total tokens)."""
+    rng = random.Random(w.seed)
+    system_prompts = [
+        [rng.randrange(w.vocab) for _ in range(w.block_size * rng.randint(*w.system_prompt_blocks))]
+        for _ in range(w.num_system_prompts)
+    ]
+    # Prompt i is picked with weight 1/(i+1): unpopular ones go idle and their cached blocks
+    # sit in the free queue until a later hit takes them out of its middle.
+    weights = [1 / (i + 1) for i in range(w.num_system_prompts)]
+    longest_turn = w.tail_tokens[1] + w.output_tokens[1]
+    specs: list[Spec] = []
+    for step in range(w.steps):
+        for _ in range(_poisson(rng, w.arrivals_per_step)):
+            prefix: list[int] = []
+            if specs and rng.random() < w.followup_fraction:
+                previous = rng.choice(specs[-w.followup_window :])
+                conversation = previous.prompt + previous.output
+                if len(conversation) + longest_turn <= w.max_context_tokens:
+                    prefix = conversation
+            if not prefix and rng.random() < w.shared_fraction:
+                prefix = rng.choices(system_prompts, weights)[0]
+            tail = [rng.randrange(w.vocab) for _ in range(rng.randint(*w.tail_tokens))]
+            output = [rng.randrange(w.vocab) for _ in range(rng.randint(*w.output_tokens))]
+            specs.append(Spec(f"req-{len(specs)}", step, prefix + tail, output))
+    return specs
+
 
 # A small Llama-shaped model: only its shape reaches the scheduler (max length, vocab).
 _MODEL_CONFIG = {
@@ -35,17 +124,10 @@ _MODEL_CONFIG = {
 MAX_MODEL_LEN = 8192
 
 
-def model_dir() -> str:
-    """A directory holding only the model's config.json (made once per process)."""
-    path = Path(tempfile.mkdtemp(prefix="kvqueue-sched-model-"))
-    (path / "config.json").write_text(json.dumps(_MODEL_CONFIG))
-    return str(path)
+class Setup:
+    """One workload's requests and vLLM config, made once for all its runs."""
 
-
-class SchedulerFactory:
-    """Builds fresh vLLM schedulers for one workload; the config is built once."""
-
-    def __init__(self, w: Workload, model: str) -> None:
+    def __init__(self, w: Workload) -> None:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -53,6 +135,13 @@ class SchedulerFactory:
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+        self.workload = w
+        self.specs = make_workload(w)
+        self.outputs = {s.request_id: s.output for s in self.specs}
+        # Removed with the setup, once its schedulers are gone.
+        self._model = tempfile.TemporaryDirectory(prefix="kvqueue-sched-model-")
+        model = self._model.name
+        Path(model, "config.json").write_text(json.dumps(_MODEL_CONFIG))
         cache_config = CacheConfig(block_size=w.block_size, gpu_memory_utilization=0.9,
                                    cache_dtype="auto", enable_prefix_caching=True)  # fmt: skip
         cache_config.num_gpu_blocks = w.num_blocks
@@ -66,61 +155,49 @@ class SchedulerFactory:
             cache_config=cache_config,
         )  # fmt: skip
         register_all_kvcache_specs(self.vllm_config)
-        self.spec = FullAttentionSpec(
+        self.kv_spec = FullAttentionSpec(
             block_size=w.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
         )
-        self.workload = w
         hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(w.block_size, hash_fn)
 
-    def new(self) -> Any:
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        kv_cache_config = KVCacheConfig(
-            num_blocks=self.workload.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], self.spec)],
-        )
-        return Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=self.workload.block_size,
-            log_stats=True,
-        )
-
-
-def block_pool(scheduler: Any) -> Any:
-    return scheduler.kv_cache_manager.block_pool
-
 
 class Driver:
-    """Runs one workload through one scheduler, a step at a time. ``fingerprint`` hashes every
+    """Runs a workload through a fresh scheduler, a step at a time. ``fingerprint`` hashes every
     step's scheduled requests, token counts and block ids, preemptions and finished requests:
-    two runs with equal fingerprints did the same work."""
+    two runs with equal fingerprints did the same work. ``counters`` count the timed steps."""
 
-    def __init__(self, factory: SchedulerFactory, specs: list[Spec]) -> None:
+    def __init__(self, setup: Setup) -> None:
         from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
+        from vllm.v1.structured_output import StructuredOutputManager
 
         self._request_class = Request
         self._sampling = SamplingParams
         self._output_class = ModelRunnerOutput
-        self.factory = factory
-        self.scheduler = factory.new()
-        self.specs = specs
-        self.outputs = {s.request_id: s.output for s in specs}
+        self.setup = setup
+        w, config = setup.workload, setup.vllm_config
+        groups = [KVCacheGroupSpec(["layer"], setup.kv_spec)]
+        kv_cache_config = KVCacheConfig(w.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=w.block_size,
+            log_stats=True,
+        )
+        self.pool = self.scheduler.kv_cache_manager.block_pool
         self.next_spec = 0
         self.step_no = 0
         self.fingerprint = 0
         self.counters = {"scheduled_tokens": 0, "preempted": 0, "finished": 0, "admitted": 0}
 
     def _arrivals(self) -> None:
-        specs = self.specs
+        specs = self.setup.specs
         while self.next_spec < len(specs) and specs[self.next_spec].arrival_step <= self.step_no:
             spec = specs[self.next_spec]
             self.next_spec += 1
@@ -128,19 +205,18 @@ class Driver:
             request = self._request_class(
                 request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
                 sampling_params=params, pooling_params=None, arrival_time=float(self.step_no),
-                block_hasher=self.factory.block_hasher)  # fmt: skip
+                block_hasher=self.setup.block_hasher)  # fmt: skip
             self.scheduler.add_request(request)
 
     def _model_output(self, out: Any) -> Any:
         requests = self.scheduler.requests
         req_ids = [r.req_id for r in out.scheduled_new_reqs]
         req_ids += out.scheduled_cached_reqs.req_ids
-        sampled = []
-        for req_id in req_ids:
-            r = requests[req_id]
-            sampled.append(
-                [] if r.is_prefill_chunk else [self.outputs[req_id][r.num_output_tokens]]
-            )
+        outputs = self.setup.outputs
+        sampled = [
+            [] if requests[i].is_prefill_chunk else [outputs[i][requests[i].num_output_tokens]]
+            for i in req_ids
+        ]
         return self._output_class(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
@@ -160,32 +236,29 @@ class Driver:
         c["finished"] += len(finished)
         c["admitted"] += len(new)
 
-    def run_workload(self, w: Workload, after_warmup: Callable[[], Any] = lambda: None) -> float:
-        """The warm-up steps, ``after_warmup()``, then the timed steps (their time, as run()'s),
-        the collector off."""
+    def run(self, after_warmup: Callable[[], Any] = lambda: None) -> float:
+        """The whole workload, the collector off, ``after_warmup()`` called after the warm-up;
+        the thread CPU time inside ``schedule()`` and ``update_from_output()`` over the timed
+        steps (building requests and the fake model's output outside it)."""
+        scheduler, clock, elapsed = self.scheduler, time.thread_time, 0.0
         gc.collect()
         gc.disable()
         try:
-            self.run(w.warmup_steps)
-            after_warmup()
-            return self.run(w.steps - w.warmup_steps)
+            for _ in range(self.setup.workload.steps):
+                if self.step_no == self.setup.workload.warmup_steps:
+                    after_warmup()
+                    elapsed = 0.0
+                    self.counters = dict.fromkeys(self.counters, 0)
+                self._arrivals()
+                start = clock()
+                out = scheduler.schedule()
+                mid = clock()
+                model_output = self._model_output(out)
+                resumed = clock()
+                scheduler.update_from_output(out, model_output)
+                elapsed += mid - start + clock() - resumed
+                self._record(out)
+                self.step_no += 1
         finally:
             gc.enable()
-
-    def run(self, steps: int) -> float:
-        """The thread CPU time inside ``schedule()`` and ``update_from_output()`` over ``steps``
-        steps (building requests and the fake model's output outside it)."""
-        scheduler, clock = self.scheduler, time.thread_time
-        elapsed = 0.0
-        for _ in range(steps):
-            self._arrivals()
-            start = clock()
-            out = scheduler.schedule()
-            mid = clock()
-            model_output = self._model_output(out)
-            resumed = clock()
-            scheduler.update_from_output(out, model_output)
-            elapsed += mid - start + clock() - resumed
-            self._record(out)
-            self.step_no += 1
         return elapsed

@@ -1,47 +1,38 @@
 """Engine-level benchmark on vLLM's real scheduler: vLLM's own queue, kvqueue's twins, the guard.
 
-Usage and method: bench/README.md; runs in the venv of vllm_tests/venv.sh. vLLM's own
-``Scheduler`` (sched_engine.py) serves the workloads of sched_workload.py per contender:
-``vllm`` (vLLM alone), ``cython`` and ``python`` (``kvqueue.vllm.install(twin)``, the pool
-guard off), ``cython+guard`` and ``python+guard`` (on; left out, and said so, where this
-kvqueue's ``install()`` has no ``pool_guard``). Every run must schedule what vLLM alone did
-and leave the same pool. The guard's own time is probed call by call (sched_cost.py).
+Usage and method: bench/README.md; runs in the venv of vllm_tests/venv.sh. vLLM's ``Scheduler``
+(sched_engine.py) serves each workload per contender: ``vllm`` (vLLM alone), ``cython`` and
+``python`` (``kvqueue.vllm.install(twin)``, the pool guard off), ``cython+guard`` and
+``python+guard`` (on). Every run must schedule what vLLM alone did and leave the same pool.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import functools
-import hashlib
-import inspect
-import json
 import os
 import random
 import sys
 import time
+from array import array
+from collections import Counter
 from importlib import metadata
-from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, cast
+from unittest.mock import patch
 
 import launch
-import sched_cost
 import sched_engine
-import sched_workload
 from launch import bootstrap_median, interval
+from sched_engine import WORKLOADS
+
+from kvqueue._pool_guard import GUARDED
 
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
 REFERENCE = "vllm"
-
-
-def guard_missing() -> str | None:
-    """Why the guard contenders cannot run here, or None."""
-    import kvqueue.vllm
-
-    if "pool_guard" in inspect.signature(kvqueue.vllm.install).parameters:
-        return None
-    return "kvqueue.vllm.install() has no pool_guard parameter: this kvqueue has no pool guard"
+TWINS = ("cython", "python")
+COST_REPS = 3  # probed runs per twin, guard on and off: odd, for a median per call
 
 
 def use(name: str) -> type:
@@ -52,95 +43,69 @@ def use(name: str) -> type:
 
     kvqueue.vllm.uninstall()
     if name == REFERENCE:
-        queue_class: type = block_pool.FreeKVCacheBlockQueue
-        return queue_class
+        return cast(type, block_pool.FreeKVCacheBlockQueue)
     twin, _, guard = name.partition("+")
-    if guard_missing():
-        return kvqueue.vllm.install(twin)  # type: ignore[arg-type]
-    queue_class = kvqueue.vllm.install(twin, pool_guard=bool(guard))  # type: ignore[arg-type, call-arg]
-    status = kvqueue.vllm.status()  # type: ignore[attr-defined]
-    assert status["pool_guard"] is bool(guard), (name, status)
+    queue_class = kvqueue.vllm.install(twin, pool_guard=bool(guard))  # type: ignore[arg-type]
+    assert kvqueue.vllm.status()["pool_guard"] is bool(guard), name
     return queue_class
-
-
-def guarded_twins(contenders: list[str]) -> list[str]:
-    return [n for n in contenders if "+" not in n and f"{n}+guard" in contenders]
 
 
 class _CountingQueue:
     """A queue that counts its calls by name (``popleft_n`` also its blocks) into ``calls``."""
 
-    def __init__(self, queue_class: type, calls: dict[str, int], blocks: list[Any]) -> None:
+    def __init__(self, queue_class: type, calls: Counter[str], blocks: list[Any]) -> None:
         self._q = queue_class(blocks)
         self._calls = calls
 
-    def _count(self, op: str, n: int = 1) -> None:
-        self._calls[op] = self._calls.get(op, 0) + n
-
     @property
     def num_free_blocks(self) -> int:
-        self._count("num_free_blocks")
+        self._calls["num_free_blocks"] += 1
         return int(self._q.num_free_blocks)
 
     def popleft_n(self, n: int) -> Any:
-        self._count("popleft_n")
-        self._count("popleft_n>1", n > 1)
-        self._count("blocks_allocated", n)
+        self._calls.update({"popleft_n": 1, "popleft_n>1": n > 1, "blocks_allocated": n})
         return self._q.popleft_n(n)
 
     def __getattr__(self, op: str) -> Any:
         method = getattr(self._q, op)
-        if not callable(method):
-            return method
 
         def counted(*args: Any) -> Any:
-            self._count(op)
+            self._calls[op] += 1
             return method(*args)
 
         return counted
 
 
-def pool_state(driver: Any) -> tuple[Any, ...]:
+def pool_state(driver: sched_engine.Driver) -> tuple[Any, ...]:
     """The free list in order, and every block's id, reference count and hash."""
-    pool = sched_engine.block_pool(driver.scheduler)
-    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
-    return free, [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks]
+    free = [b.block_id for b in driver.pool.free_block_queue.get_all_free_blocks()]
+    return free, [(b.block_id, b.ref_cnt, b.block_hash) for b in driver.pool.blocks]
 
 
-def record_queue_calls(w: Any, model: str) -> dict[str, Any]:
+def record_queue_calls(w: sched_engine.Workload) -> dict[str, Any]:
     """The workload ``w`` and one run of it on vLLM's queue, its calls after the warm-up counted
     and the prefix cache's evictions: what every other run must schedule and leave."""
     from vllm.v1.core import block_pool
 
-    specs = sched_workload.make_workload(w)
-    factory = sched_engine.SchedulerFactory(w, model)
+    setup = sched_engine.Setup(w)
     original = use(REFERENCE)
-    calls: dict[str, int] = {}
+    calls: Counter[str] = Counter()
     evict = block_pool.BlockPool._maybe_evict_cached_block
-    evicted = [0]
 
     def counting_evict(pool: Any, block: Any) -> bool:
         hit: bool = evict(pool, block)
-        evicted[0] += hit
+        calls["evicted_blocks"] += hit
         return hit
 
-    block_pool.FreeKVCacheBlockQueue = functools.partial(_CountingQueue, original, calls)  # type: ignore[attr-defined]
-    block_pool.BlockPool._maybe_evict_cached_block = counting_evict  # type: ignore[method-assign]
-    try:
-        driver = sched_engine.Driver(factory, specs)
-        before: dict[str, int] = {}
-
-        def after_warmup() -> None:
-            before.update(driver.counters, evicted_blocks=evicted[0])
-            calls.clear()
-
-        driver.run_workload(w, after_warmup)
-    finally:
-        block_pool.FreeKVCacheBlockQueue = original  # type: ignore[attr-defined]
-        block_pool.BlockPool._maybe_evict_cached_block = evict  # type: ignore[method-assign]
-    counters = {**driver.counters, "evicted_blocks": evicted[0]}
-    return {"specs": specs, "factory": factory, "w": w, "queue_calls": calls,
-            "counters": {k: v - before[k] for k, v in counters.items()},
+    counting = functools.partial(_CountingQueue, original, calls)
+    with (
+        patch.object(block_pool, "FreeKVCacheBlockQueue", counting),
+        patch.object(block_pool.BlockPool, "_maybe_evict_cached_block", counting_evict),
+    ):
+        driver = sched_engine.Driver(setup)
+        driver.run(calls.clear)
+    counters = {**driver.counters, "evicted_blocks": calls.pop("evicted_blocks", 0)}
+    return {"setup": setup, "queue_calls": calls, "counters": counters,
             "fingerprint": driver.fingerprint, "pool": pool_state(driver)}  # fmt: skip
 
 
@@ -148,36 +113,154 @@ def run_contender(name: str, recorded: dict[str, Any]) -> float:
     """One timed run on contender ``name``; it must schedule what vLLM alone did and leave the
     same pool (``recorded``: record_queue_calls()'s), or the process fails."""
     queue_class = use(name)
-    driver = sched_engine.Driver(recorded["factory"], recorded["specs"])
-    assert type(sched_engine.block_pool(driver.scheduler).free_block_queue) is queue_class, name
-    elapsed = driver.run_workload(recorded["w"])
+    driver = sched_engine.Driver(recorded["setup"])
+    assert type(driver.pool.free_block_queue) is queue_class, name
+    elapsed = driver.run()
+    where = f"{recorded['setup'].workload.name}, {name}"
     if driver.fingerprint != recorded["fingerprint"]:
-        raise SystemExit(f"{name}: the schedule differs from vLLM's alone")
+        raise SystemExit(f"{where}: the schedule differs from vLLM's alone")
     if pool_state(driver) != recorded["pool"]:
-        raise SystemExit(f"{name}: the pool after the run differs from vLLM's alone")
+        raise SystemExit(f"{where}: the pool after the run differs from vLLM's alone")
     return elapsed
 
 
-def probe_guard(recorded: dict[str, Any], twins: list[str], reps: int, rng: random.Random) -> Any:
-    r = recorded
-    return sched_cost.measure(r["factory"], r["specs"], r["w"], twins, reps, rng, r["fingerprint"])
+# -- the pool guard's own time per step, probed call by call (a step-time difference is too
+# noisy to show it). Each guarded ``BlockPool`` method gets an *inner* ``perf_counter_ns`` shim
+# around vLLM's own method, which the guard wraps, and an *outer* one around what the pool's
+# callers reach. Per call, gap = outer - inner: the guard's own work plus the shims' cost, which
+# the same twin with the guard off gives alone, call for call (the schedule is deterministic,
+# and checked). guard ns/step = (sum of median gaps, guard on - the same, guard off) / steps.
+# The null test, python's guard-off gaps less cython's, should be 0: the queue runs outside.
+
+
+class Probe:
+    """The two shims per guarded method, and what one run's calls recorded."""
+
+    def __init__(self) -> None:
+        self.method = array("b")  # index into GUARDED
+        self.gap = array("q")  # outer - inner, ns
+        self.size = array("q")  # blocks screened; -1: not a list (guard off)
+        self._stack: list[list[int]] = []
+
+    def clear(self) -> None:
+        del self.method[:], self.gap[:], self.size[:]
+
+    def inner(self, original: Any) -> Any:
+        clock, stack = time.perf_counter_ns, self._stack
+
+        def timed(pool: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            result = original(pool, arg, *args, **kwargs)
+            end = clock()
+            slot = stack[-1]
+            slot[0] = end - start
+            slot[1] = arg if type(arg) is int else len(arg) if type(arg) is list else -1
+            return result
+
+        # vLLM's names (the guard reads the method's name for its messages).
+        return functools.update_wrapper(timed, original)
+
+    def outer(self, target: Any, index: int) -> Any:
+        clock, stack = time.perf_counter_ns, self._stack
+        method, gap, size = self.method, self.gap, self.size
+
+        def timed(pool: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
+            slot = [0, -1]
+            stack.append(slot)
+            start = clock()
+            result = target(pool, arg, *args, **kwargs)
+            end = clock()
+            stack.pop()
+            method.append(index)
+            gap.append(end - start - slot[0])
+            size.append(slot[1])
+            return result
+
+        return timed
+
+
+def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe, int]:
+    """One run of ``setup`` on ``twin``, the guard on or off, every guarded call probed; the
+    probe and the run's fingerprint."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    import kvqueue.vllm
+
+    kvqueue.vllm.uninstall()
+    probe = Probe()
+    # Undone in reverse: the outer shims (the guard back, so that uninstall() finds it), the
+    # guard, the inner shims.
+    with contextlib.ExitStack() as undo:
+        own = [m for m in GUARDED if m in BlockPool.__dict__]
+        for m in own:
+            undo.enter_context(patch.object(BlockPool, m, probe.inner(BlockPool.__dict__[m])))
+        undo.callback(kvqueue.vllm.uninstall)
+        kvqueue.vllm.install(twin, pool_guard=guard, wrap_foreign=True)  # type: ignore[arg-type]
+        for m in own:
+            installed = BlockPool.__dict__[m]
+            assert bool(getattr(installed, "__kvqueue_guard__", False)) is guard, m
+            undo.enter_context(patch.object(BlockPool, m, probe.outer(installed, GUARDED.index(m))))
+        driver = sched_engine.Driver(setup)
+        driver.run(probe.clear)
+    return probe, driver.fingerprint
+
+
+def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict[str, Any]:
+    """Per twin: the guard's ns per timed step, its calls and blocks per step; and the null
+    test. Fails if a probed run schedules otherwise than vLLM alone, or calls otherwise."""
+    setup = recorded["setup"]
+    runs = [(t, g) for t in TWINS for g in (True, False)]
+    gaps: dict[tuple[str, bool], list[array[int]]] = {r: [] for r in runs}
+    sizes: dict[str, array[int]] = {}
+    calls: array[int] | None = None
+    for _ in range(reps):
+        rng.shuffle(runs)
+        for twin, guard in runs:
+            probe, probed_fingerprint = probed_run(setup, twin, guard)
+            where = f"{setup.workload.name}, {twin} probed"
+            if probed_fingerprint != recorded["fingerprint"]:
+                raise SystemExit(f"{where}: the schedule differs from vLLM's alone")
+            if calls is None:
+                calls = probe.method
+            elif probe.method != calls:
+                raise SystemExit(f"{where}: the guarded calls differ between runs")
+            gaps[twin, guard].append(probe.gap)
+            if guard:
+                sizes[twin] = probe.size
+    assert calls is not None
+    steps = setup.workload.steps - setup.workload.warmup_steps
+
+    def ns_per_step(run: tuple[str, bool]) -> float:
+        return float(sum(map(median, zip(*gaps[run], strict=True))) / steps)
+
+    out: dict[str, Any] = {"twins": {}}
+    for twin in TWINS:
+        on, off = ns_per_step((twin, True)), ns_per_step((twin, False))
+        per_method, blocks = dict.fromkeys(GUARDED, 0), dict.fromkeys(GUARDED, 0)
+        for i, n in zip(calls, sizes[twin], strict=True):
+            per_method[GUARDED[i]] += 1
+            blocks[GUARDED[i]] += n
+        out["twins"][twin] = {
+            "guard_ns_per_step": on - off,
+            "shim_ns_per_call": off * steps / max(len(calls), 1),
+            "calls_per_step": {m: k / steps for m, k in per_method.items() if k},
+            "blocks_per_step": {m: k / steps for m, k in blocks.items() if per_method[m]},
+        }
+    out["null_ns_per_step"] = ns_per_step(("python", False)) - ns_per_step(("cython", False))
+    return out
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """One fresh process: per workload, one untimed run per contender (every contender's code
     and data warm), then ``reps`` timed runs each in a new random order, then the probes."""
-    cpu = launch.pin(job.get("cpu"))
+    cpu = launch.pin()
     rng = random.Random(job["seed"])
-    model = sched_engine.model_dir()
     result: dict[str, Any] = {"cpu": cpu, "pid": os.getpid(), "workloads": {}}
-    names = list(job["workloads"])
-    rng.shuffle(names)
-    contenders = list(job["contenders"])
-    for wname in names:
-        w = sched_workload.WORKLOADS[wname]
+    contenders = list(CONTENDERS)
+    for w in rng.sample(list(WORKLOADS.values()), len(WORKLOADS)):
         if job["quick"]:
             w = dataclasses.replace(w, steps=w.steps // 2, warmup_steps=w.warmup_steps // 2)
-        recorded = record_queue_calls(w, model)
+        recorded = record_queue_calls(w)
         for name in contenders:
             run_contender(name, recorded)
         steps: dict[str, list[float]] = {n: [] for n in contenders}
@@ -185,145 +268,84 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             rng.shuffle(contenders)
             for name in contenders:
                 steps[name].append(run_contender(name, recorded))
-        use(REFERENCE)
-        twins = guarded_twins(job["contenders"])
-        cost = (
-            probe_guard(recorded, twins, job["cost_reps"], rng)
-            if twins and job["cost_reps"]
-            else None
-        )
-        result["workloads"][wname] = {
+        result["workloads"][w.name] = {
             "params": dataclasses.asdict(w), "timed_steps": w.steps - w.warmup_steps,
-            "requests": len(recorded["specs"]), "counters": recorded["counters"],
-            "queue_calls": recorded["queue_calls"], "step_s": steps, "guard_cost": cost,
+            "requests": len(recorded["setup"].specs), "counters": recorded["counters"],
+            "queue_calls": recorded["queue_calls"], "step_s": steps,
+            "guard_cost": probe_guard(recorded, COST_REPS, rng),
         }  # fmt: skip
     return result
 
 
-def check(workloads: list[str], contenders: list[str]) -> int:
-    """CI: each contender once on short workloads over a small pool; the guard's probes once."""
-    model = sched_engine.model_dir()
-    failures = []
-    for wname in workloads:
+def check() -> None:
+    """CI: each contender once on short workloads over a small pool, the guard's probes once;
+    the first difference stops it."""
+    for wname, w in WORKLOADS.items():
         # A quarter of the steps, no warm-up, an eighth of the pool: it fills, and evicts.
-        w = sched_workload.WORKLOADS[wname]
         w = dataclasses.replace(w, steps=w.steps // 4, warmup_steps=0, num_blocks=w.num_blocks // 8)
-        recorded = record_queue_calls(w, model)
+        recorded = record_queue_calls(w)
         calls, counters = recorded["queue_calls"], recorded["counters"]
+        reached = ", ".join(f"{k} {v}" for k, v in sorted({**calls, **counters}.items()))
+        print(f"scheduler --check: {wname}, {w.steps} steps: {reached}", flush=True)
         needed = ["popleft_n", "popleft_n>1", "append_n", "prepend_n", "num_free_blocks"]
         needed += ["remove"] if wname == "prefix-heavy" else []
         missing = [op for op in needed if not calls.get(op)]
         missing += [k for k in ("evicted_blocks", "finished") if not counters[k]]
         if missing:
-            failures.append(f"{wname}: the workload never reaches {missing}")
-        reached = ", ".join(f"{k} {v}" for k, v in sorted({**calls, **counters}.items()))
-        print(f"scheduler --check: {wname}, {w.steps} steps: {reached}", flush=True)
-        for name in contenders:
-            try:
-                run_contender(name, recorded)
-            except SystemExit as exc:
-                failures.append(f"{wname}: {exc}")
-                continue
+            raise SystemExit(f"scheduler --check: {wname}: the workload never reaches {missing}")
+        for name in CONTENDERS:
+            run_contender(name, recorded)
             print(f"scheduler --check: {wname} {name}: same schedule, same pool", flush=True)
-        twins = guarded_twins(contenders)
-        if twins:  # the guard's probes work, and change no schedule
-            try:
-                cost = probe_guard(recorded, twins, 1, random.Random(0))
-            except SystemExit as exc:
-                failures.append(f"{wname}: {exc}")
-                continue
-            for twin, c in cost["twins"].items():
-                per = ", ".join(f"{m} {k:.1f}" for m, k in c["calls_per_step"].items())
-                print(f"scheduler --check: {wname} {twin}+guard probed: same schedule; "
-                      f"guarded calls per step: {per}", flush=True)  # fmt: skip
+        # The guard's probes work, and change no schedule.
+        cost = probe_guard(recorded, 1, random.Random(0))
+        for twin, c in cost["twins"].items():
+            per = ", ".join(f"{m} {k:.1f}" for m, k in c["calls_per_step"].items())
+            print(f"scheduler --check: {wname} {twin}+guard probed: same schedule; "
+                  f"guarded calls per step: {per}", flush=True)  # fmt: skip
     use(REFERENCE)
-    for failure in failures:
-        print(f"scheduler --check: FAIL: {failure}", file=sys.stderr)
-    return 1 if failures else 0
 
 
-def kvqueue_stamp() -> str:
-    """A hash of the kvqueue package the workers import (its files, .so included)."""
-    import kvqueue
-
-    digest = hashlib.sha256()
-    for path in sorted(Path(kvqueue.__file__).parent.iterdir()):
-        if path.is_file():
-            digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    jobs = [
-        {"round": round_, "workloads": args.workloads, "contenders": args.contenders,
-         "seed": rng.randrange(2**32), "reps": args.reps, "quick": args.quick, "cpu": args.cpu,
-         "cost_reps": args.cost_reps}
-        for round_ in range(args.processes)
-    ]  # fmt: skip
-    records = launch.run(__file__, jobs, lambda job: f"round {job['round'] + 1}")
-    settings = ("processes", "reps", "cost_reps", "quick", "seed", "contenders", "skipped")
-    return {
-        "machine": launch.describe(),
-        "vllm": metadata.version("vllm"),
-        "settings": {k: getattr(args, k) for k in settings},
-        "loadavg": os.getloadavg(),
-        "kvqueue_sources": kvqueue_stamp(),
-        "records": records,
-    }
-
-
-def summarize(data: dict[str, Any]) -> dict[str, Any]:
-    records = data["records"]
-    names = data["settings"]["contenders"]
-    summary: dict[str, Any] = {}
-    for wname in records[0]["workloads"]:
-        per = [r["workloads"][wname] for r in records]
-        steps = per[0]["timed_steps"]
-        step = [{n: median(p["step_s"][n]) for n in names} for p in per]  # per process
-        rows = {
-            name: {
-                "us_per_step": median(m[name] for m in step) / steps * 1e6,
-                "step_ratio": bootstrap_median([m[name] / m[REFERENCE] for m in step]),
-                "process_spread": max(m[name] for m in step) / min(m[name] for m in step),
-            }
-            for name in names
-        }
-        guard = {}
-        costs = [p.get("guard_cost") for p in per]
-        for name in names:
-            twin, _, on = name.partition("+")
-            if on and twin in names:
-                guard[twin] = {
-                    "ratio": bootstrap_median([m[name] / m[twin] for m in step]),
-                    "us_per_step": bootstrap_median(
-                        [(m[name] - m[twin]) / steps * 1e6 for m in step]
-                    ),
-                }
-                if all(c and twin in c["twins"] for c in costs):
-                    probed = [c["twins"][twin] for c in costs]  # type: ignore[index]
-                    guard[twin].update(
-                        probed_us_per_step=bootstrap_median(
-                            [c["guard_ns_per_step"] / 1e3 for c in probed]
-                        ),
-                        shim_ns_per_call=median(c["shim_ns_per_call"] for c in probed),
-                        calls_per_step=probed[0]["calls_per_step"],
-                        blocks_per_step=probed[0]["blocks_per_step"],
-                    )
-        nulls = [c.get("null_ns_per_step") for c in costs if c]
-        null = bootstrap_median([x / 1e3 for x in nulls]) if nulls and None not in nulls else None
-        summary[wname] = {
-            **{k: per[0][k] for k in ("params", "timed_steps", "requests", "counters")},
-            "queue_calls": per[0]["queue_calls"], "rows": rows, "guard": guard,
-            "probe_null_us_per_step": null,
-        }  # fmt: skip
-    return summary
-
-
+# _CountingQueue's own tallies, not queue calls.
 _DERIVED = ("blocks_allocated", "popleft_n>1")
 
 
-def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
+def tables(data: dict[str, Any]) -> str:
+    """The Markdown summary of a results file: step times, the guard's cost, the workloads."""
+    steps, guard, nulls, shims, workloads = [], [], [], [], []
+    for wname in data["records"][0]["workloads"]:
+        per = [r["workloads"][wname] for r in data["records"]]
+        n = per[0]["timed_steps"]
+        step = [{c: median(p["step_s"][c]) for c in CONTENDERS} for p in per]  # per process
+        for name in CONTENDERS:
+            us = median(m[name] for m in step) / n * 1e6
+            ratio = bootstrap_median([m[name] / m[REFERENCE] for m in step])
+            spread = max(m[name] for m in step) / min(m[name] for m in step)
+            steps.append(f"| {wname} | {name} | {us:.0f} | {interval(ratio)} | {spread:.3f} |")
+        costs = [p["guard_cost"] for p in per]
+        for twin in TWINS:
+            on, probed = f"{twin}+guard", [c["twins"][twin] for c in costs]
+            ratio = bootstrap_median([m[on] / m[twin] for m in step])
+            delta = bootstrap_median([(m[on] - m[twin]) / n * 1e6 for m in step])
+            own = bootstrap_median([c["guard_ns_per_step"] / 1e3 for c in probed])
+            calls = ", ".join(f"{m} {k:.2f}" for m, k in probed[0]["calls_per_step"].items())
+            screened = ", ".join(f"{m} {k:.1f}" for m, k in probed[0]["blocks_per_step"].items())
+            guard.append(
+                f"| {wname} | {twin} | {interval(ratio)} | {interval(delta, 1)} "
+                f"| {interval(own, 2)} | {calls} | {screened} |"
+            )
+            shims.append(median(c["shim_ns_per_call"] for c in probed))
+        null = bootstrap_median([c["null_ns_per_step"] / 1e3 for c in costs])
+        nulls.append(f"{wname} {interval(null, 2)} µs/step")
+        c, q = per[0]["counters"], per[0]["queue_calls"]
+        calls = ", ".join(f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op not in _DERIVED)
+        workloads.append(
+            f"- {wname}: {per[0]['requests']} requests, {n} timed steps after "
+            f"{per[0]['params']['warmup_steps']}; per step {c['scheduled_tokens'] / n:.0f} tokens "
+            f"scheduled, {c['admitted'] / n:.2f} requests admitted, {c['finished'] / n:.2f} "
+            f"finished, {c['preempted'] / n:.3f} preempted; "
+            f"{q.get('blocks_allocated', 0) / n:.1f} blocks allocated "
+            f"({c['evicted_blocks'] / n:.1f} evicted from the prefix cache); queue calls {calls}."
+        )
     s = data["settings"]
     lines = [
         f"vLLM {data['vllm']}'s `Scheduler` on the CPU (fake model), per contender: median of "
@@ -332,71 +354,26 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
         "",
         "| workload | contender | µs/step | step vs vllm | spread over processes |",
         "|---|---|---:|---|---:|",
-    ]
-    for wname, t in summary.items():
-        for name, row in t["rows"].items():
-            lines.append(
-                f"| {wname} | {name} | {row['us_per_step']:.0f} | {interval(row['step_ratio'])} | "
-                f"{row['process_spread']:.3f} |"
-            )
-    if any(t["guard"] for t in summary.values()):
-        lines += [
-            "",
-            "The pool guard: each twin with the guard on against the same twin with it off, "
-            "in the same processes.",
-            "",
-            "*step Δ*: the step-time difference (noise, not the guard's cost); *guard µs/step*: "
-            "the guard's own time, probed call by call (bench/sched_cost.py: median of "
-            f"{s.get('cost_reps', '?')} probed runs per call, guard on less guard off, "
-            "summed per step).",
-            "",
-            "| workload | twin | step, guard on / off | step Δ µs | guard µs/step | "
-            "guarded calls/step | blocks screened/step |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for wname, t in summary.items():
-            for twin, g in t["guard"].items():
-                probed, calls, screened = "n/a", "", ""
-                if "probed_us_per_step" in g:
-                    probed = interval(g["probed_us_per_step"], 2)
-                    calls = ", ".join(f"{m} {k:.2f}" for m, k in g["calls_per_step"].items())
-                    screened = ", ".join(f"{m} {k:.1f}" for m, k in g["blocks_per_step"].items())
-                lines.append(
-                    f"| {wname} | {twin} | {interval(g['ratio'])} | "
-                    f"{interval(g['us_per_step'], 1)} | {probed} | {calls} | {screened} |"
-                )
-        nulls = [(w, t["probe_null_us_per_step"]) for w, t in summary.items()]
-        shims = [
-            g["shim_ns_per_call"]
-            for t in summary.values()
-            for g in t["guard"].values()
-            if "shim_ns_per_call" in g
-        ]
-        if shims and all(n for _, n in nulls):
-            lines += [
-                "",
-                "The probe's error: the null test (guard off, python's gaps less cython's, "
-                "which should be 0) gives "
-                + "; ".join(f"{w} {interval(n, 2)} µs/step" for w, n in nulls)
-                + f". The shims' own cost subtracted: {min(shims):.0f}-{max(shims):.0f} ns a call.",
-            ]
-    if s["skipped"]:
-        lines += ["", f"Not run: {s['skipped']}."]
-    lines += ["", "Workloads (per timed step, from the recorded run on vLLM's queue):"]
-    for wname, t in summary.items():
-        n, c, q = t["timed_steps"], t["counters"], t["queue_calls"]
-        calls = [f"{op} {k / n:.1f}" for op, k in sorted(q.items()) if op not in _DERIVED]
-        lines.append(
-            f"- {wname}: {t['requests']} requests, {n} timed steps after "
-            f"{t['params']['warmup_steps']}; per step {c['scheduled_tokens'] / n:.0f} tokens "
-            f"scheduled, {c['admitted'] / n:.2f} requests admitted, {c['finished'] / n:.2f} "
-            f"finished, {c['preempted'] / n:.3f} preempted; "
-            f"{q.get('blocks_allocated', 0) / n:.1f} blocks allocated "
-            f"({c['evicted_blocks'] / n:.1f} evicted from the prefix cache); queue calls "
-            + ", ".join(calls)
-            + "."
-        )
-    lines += [
+        *steps,
+        "",
+        "The pool guard: each twin with the guard on against the same twin with it off, "
+        "in the same processes.",
+        "",
+        "*step Δ*: the step-time difference (noise, not the guard's cost); *guard µs/step*: "
+        "the guard's own time, probed call by call (bench/scheduler.py: median of "
+        f"{s['cost_reps']} probed runs per call, guard on less guard off, summed per step).",
+        "",
+        "| workload | twin | step, guard on / off | step Δ µs | guard µs/step | "
+        "guarded calls/step | blocks screened/step |",
+        "|---|---|---|---|---|---|---|",
+        *guard,
+        "",
+        "The probe's error: the null test (guard off, python's gaps less cython's, which should "
+        f"be 0) gives {'; '.join(nulls)}. The shims' own cost subtracted: "
+        f"{min(shims):.0f}-{max(shims):.0f} ns a call.",
+        "",
+        "Workloads (per timed step, from the recorded run on vLLM's queue):",
+        *workloads,
         "",
         f"Machine: {launch.short(data['machine'])}; load average at the end "
         f"{', '.join(f'{x:.1f}' for x in data['loadavg'])}.",
@@ -404,50 +381,28 @@ def markdown(data: dict[str, Any], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = launch.parser(__doc__, "fresh processes (7; quick 3)", "3 processes, half the steps")
+def main() -> None:
+    parser = launch.parser(__doc__, "3 processes, half the steps")
     parser.add_argument("--check", action="store_true", help="equivalence only, no timing")
+    parser.add_argument("--processes", type=int, help="fresh processes (7; quick 3)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (5; quick 3)")
-    parser.add_argument(
-        "--cost-reps",
-        type=int,
-        default=3,
-        help="probed runs per twin, guard on and off (3, odd: a median per call; 0: none)",
-    )
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
-    parser.add_argument(
-        "--workloads", default=",".join(sched_workload.WORKLOADS), help="comma-separated"
-    )
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return 0
-    if args.summarize:
-        data = json.loads(args.summarize.read_text())
-        print(markdown(data, summarize(data)))
-        return 0
-    args.workloads = args.workloads.split(",")
-    args.contenders = [REFERENCE] + [c for c in args.contenders.split(",") if c != REFERENCE]
-    unknown = set(args.contenders) - set(CONTENDERS)
-    if unknown:
-        parser.error(f"unknown contenders {sorted(unknown)} (known: {', '.join(CONTENDERS)})")
-    args.skipped = ""
-    why = guard_missing()
-    if why and any("+" in c for c in args.contenders):
-        args.skipped = ", ".join(c for c in args.contenders if "+" in c) + f" ({why})"
-        args.contenders = [c for c in args.contenders if "+" not in c]
-        print(f"scheduler: skipping {args.skipped}", file=sys.stderr)
+    args = parser.parse_args()
     if args.check:
-        return check(args.workloads, args.contenders)
-    args.processes = args.processes or (3 if args.quick else 7)
-    args.reps = args.reps or (3 if args.quick else 5)
-    data = run(args)
-    data["summary"] = summarize(data)
-    out = launch.save(data, args.out, f"scheduler-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(markdown(data, data["summary"]))
+        check()
+        return
+    defaults = (3, 3) if args.quick else (7, 5)
+    processes, reps = args.processes or defaults[0], args.reps or defaults[1]
+    rng = random.Random(0)
+    jobs = [{"label": f"round {i + 1}", "seed": rng.randrange(2**32), "reps": reps,
+             "quick": args.quick} for i in range(processes)]  # fmt: skip
+    records = launch.run(worker, jobs)
+    settings = {"processes": processes, "reps": reps, "quick": args.quick, "cost_reps": COST_REPS}
+    data = {"machine": launch.describe(), "vllm": metadata.version("vllm"), "settings": settings,
+            "loadavg": os.getloadavg(), "records": records}  # fmt: skip
+    out = launch.save(data, args.out, "scheduler")
+    print(tables(data))
     print(f"\n(raw results: {out})", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
