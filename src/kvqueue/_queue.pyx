@@ -30,7 +30,7 @@ Each method here and its pure twin::
       iter_blocks_after, __iter__, __len__, __repr__, __reduce_ex__
     num_free_blocks member, __setattr__,   num_free_blocks property
       __delattr__
-    _link + _link_failed, _pool_run        _link, _checked_prefix
+    _link + _link_failed, _pool_run        _link + _link_failed, _checked_run
     _link_repaired, _screen, _misuse       the same names
     _unlink_run                            _undo (partial=...)
     _misused_append, _misused_remove       inline in append, remove
@@ -63,7 +63,7 @@ The deliberate differences, and why:
   RuntimeError (``_check``); the pure twin fails at its first read of an unset
   slot, with AttributeError, so that its valid path pays for no check.
 - A bound queue checks its pool in a pass of its own (``_pool_run``), as the
-  pure twin does (``_checked_prefix``, which also checks a batch that holds a
+  pure twin does (``_checked_run``, which also checks a batch that holds a
   subclass's block), so that the unbound linking loop is unchanged; both stop
   at the same block.
 """

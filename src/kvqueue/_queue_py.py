@@ -408,13 +408,15 @@ class FreeKVCacheBlockQueue(Generic[B]):
         their own (a bound queue's, or a batch with a subclass's block).
         """
         block_type = self._block_type
-        run = blocks
         if checked or self._pool is not None:
-            # The loop then stops where this pass found the first bad block, and
-            # that block fails there.
-            run = self._checked_prefix(blocks)
+            # In a pass of its own, which leaves the linking loop as it is for an
+            # unbound queue's exact-type blocks.
+            stop = self._checked_run(blocks)
+            if stop < len(blocks):
+                block = blocks[stop]
+                return self._link_failed(method, front, blocks, block, stop, screened, True)
             checked = True
-        it = iter(run)  # allocated by a call before the ends are read, as in popleft_n
+        it = iter(blocks)  # allocated by a call before the ends are read, as in popleft_n
         if front:
             left: Any = self._head
             right = left.next_free_block
@@ -438,21 +440,63 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 prev.next_free_block = block
                 prev = block
             else:
-                if run is blocks:
-                    prev.next_free_block = right
-                    right.prev_free_block = prev
-                    self._num_free_blocks = num + len(blocks)
-                    return True
-                block = blocks[len(run)]
+                prev.next_free_block = right
+                right.prev_free_block = prev
+                self._num_free_blocks = num + len(blocks)
+                return True
             position = self._undo(left, (), right, blocks)
         except BaseException:
             self._undo(left, (), right, blocks)
             self._num_free_blocks = num
             raise
+        return self._link_failed(method, front, blocks, block, position, screened, checked)
+
+    def _checked_run(self, blocks: Sequence[B]) -> int:
+        """``len(blocks)`` if every item is a block of the queue's class (and, for a
+        bound queue, of its pool; the compiled twin's ``_pool_run``), else the index
+        at which linking the batch fails: the first item that is not, or a block
+        before it that is linked or given twice."""
+        block_type = self._block_type
+        pool = self._pool
+        stop = next(
+            (
+                i
+                for i, block in enumerate(blocks)
+                if not is_block(block, block_type)
+                or (pool is not None and getattr(block, "pool", None) is not pool)
+            ),
+            len(blocks),
+        )
+        if stop == len(blocks):
+            return stop
+        seen: set[int] = set()
+        for i in range(stop):
+            block = blocks[i]
+            if block.prev_free_block is not None or block.next_free_block is not None:
+                return i
+            if id(block) in seen:
+                return i
+            seen.add(id(block))
+        return stop
+
+    def _link_failed(
+        self,
+        method: str,
+        front: bool,
+        blocks: Sequence[B],
+        block: B,
+        position: int,
+        screened: bool,
+        checked: bool,
+    ) -> bool:
+        """``_link`` stopped at ``block``, ``blocks[position]``, with nothing linked:
+        raise, repair, or, on the screened pass, return False."""
+        block_type = self._block_type
         if type(block) is not block_type and not is_block(block, block_type):
             raise _core.not_a_block(block, block_type, f"{method}()")
         linked = block.prev_free_block is not None or block.next_free_block is not None
         if not checked and not linked:
+            # A subclass's block, which the loop leaves to a pass of its own.
             return self._link(method, front, blocks, screened, checked=True)
         if not linked and self._pool is not None:
             block.pool  # type: ignore[attr-defined]  # noqa: B018 (unset: AttributeError)
@@ -463,19 +507,6 @@ class FreeKVCacheBlockQueue(Generic[B]):
             self._link_repaired(method, front, blocks)
             return True
         raise _core.misuse(method, kind, block)
-
-    def _checked_prefix(self, blocks: Sequence[B]) -> Sequence[B]:
-        """``blocks`` if all are blocks of the queue's class (and of its pool, if it
-        is bound), else those before the first that is not (the compiled twin's
-        ``_pool_run`` gives that index)."""
-        block_type = self._block_type
-        pool = self._pool
-        for i, block in enumerate(blocks):
-            if not is_block(block, block_type) or (
-                pool is not None and getattr(block, "pool", None) is not pool
-            ):
-                return blocks[:i]
-        return blocks
 
     def _link_repaired(self, method: str, front: bool, blocks: Sequence[B]) -> None:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
