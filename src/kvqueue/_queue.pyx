@@ -34,7 +34,7 @@ Each method here and its pure twin::
     _link_repaired, _screen, _misuse       the same names
     _unlink_run                            _undo (partial=...)
     _misused_append, _misused_remove       inline in append, remove
-    _insert_one                            inline in append_n
+    _insert_one                            inline in append_n (and _link's loop)
     _follow, _read, _unset                 attribute access
     _count_obj, _set_count                 int arithmetic
     _takes, _refuse_takes                  inline in popleft_n

@@ -193,25 +193,28 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """
         head: Any = self._head
         first: B = head.next_free_block
+        if first is not None:
+            # The tail's next_free_block is None: one test finds the end and a broken link.
+            next_block = first.next_free_block
+            if next_block is not None:
+                num = self._num_free_blocks
+                try:
+                    head.next_free_block = next_block
+                    next_block.prev_free_block = head
+                    first.prev_free_block = first.next_free_block = None
+                    self._num_free_blocks = num - 1
+                    return first
+                except BaseException:
+                    self._undo(head, (first,), next_block)
+                    self._num_free_blocks = num
+                    raise
+            if first is not self._tail:
+                raise _errors.invalid_next("popleft")
+        # vLLM asserts that the count is 0 here before it raises ValueError.
         num = self._num_free_blocks
-        if first is self._tail or first is None:
-            # vLLM asserts that the count is 0 here before it raises ValueError.
-            if num != 0:
-                raise _errors.out_of_sync(num)
-            raise _errors.empty()
-        next_block = first.next_free_block
-        if next_block is None:
-            raise _errors.invalid_next("popleft")
-        try:
-            head.next_free_block = next_block
-            next_block.prev_free_block = head
-            first.prev_free_block = first.next_free_block = None
-            self._num_free_blocks = num - 1
-        except BaseException:
-            self._undo(head, (first,), next_block)
-            self._num_free_blocks = num
-            raise
-        return first
+        if num != 0:
+            raise _errors.out_of_sync(num)
+        raise _errors.empty()
 
     def popleft_n(self, n: int, /) -> list[B]:
         """Pop the first ``n`` free blocks, in order. O(n).
@@ -228,21 +231,21 @@ class FreeKVCacheBlockQueue(Generic[B]):
             if num < 1:
                 raise _errors.too_many(1, num)
             curr = head.next_free_block
-            if curr is None or curr is self._tail:
+            if curr is None:
                 raise _errors.out_of_sync(num)
             next_block = curr.next_free_block
             if next_block is None:
-                raise _errors.invalid_next("popleft_n")
+                raise _walk_error(curr is self._tail, num)
             try:
                 head.next_free_block = next_block
                 next_block.prev_free_block = head
                 curr.prev_free_block = curr.next_free_block = None
                 self._num_free_blocks = num - 1
+                return [curr]
             except BaseException:
                 self._undo(head, (curr,), next_block)
                 self._num_free_blocks = num
                 raise
-            return [curr]
         if n <= 0:
             if n == 0:
                 return []
@@ -255,28 +258,28 @@ class FreeKVCacheBlockQueue(Generic[B]):
             raise _errors.too_many(n, num)
         tail = self._tail
         curr = head.next_free_block
+        if curr is None:
+            raise _errors.out_of_sync(num)
         # One pass, as vLLM's. At every bytecode the first block not yet taken is
         # `next_block` once `curr` is in `ret`, else `curr`: the handler relinks
         # the taken blocks before it.
-        next_block = curr
         try:
             for _ in steps:
-                if curr is None or curr is tail:
-                    raise _errors.out_of_sync(num)
+                # None after the tail or a broken link: one test per block finds both.
                 next_block = curr.next_free_block
+                if next_block is None:
+                    raise _walk_error(curr is tail or len(ret) + 1 < n, num)
                 ret.append(curr)
                 curr.prev_free_block = curr.next_free_block = None
                 curr = next_block
-            if curr is None:
-                raise _errors.invalid_next("popleft_n")
             head.next_free_block = curr
             curr.prev_free_block = head
             self._num_free_blocks = num - n
+            return ret
         except BaseException:
             self._undo(head, ret, next_block if ret and ret[-1] is curr else curr)
             self._num_free_blocks = num
             raise
-        return ret
 
     def remove(self, block: B, /) -> None:
         """Take ``block`` out of the middle of the queue. O(1).
@@ -373,6 +376,37 @@ class FreeKVCacheBlockQueue(Generic[B]):
                     self._num_free_blocks = num
                     raise
                 return
+        elif self._pool is None:
+            # vLLM's free path: _link's loop for an unbound queue's exact-type blocks,
+            # written out here because the call costs as much as linking eight blocks.
+            # Any other block stops it, with nothing linked, and _link takes the batch.
+            block_type = self._block_type
+            it = iter(blocks)  # before the ends are read, as in _link
+            right: Any = self._tail
+            left = right.prev_free_block
+            if left is None:
+                raise AssertionError(_errors.TAIL_LOST)
+            num = self._num_free_blocks
+            prev: Any = left
+            try:
+                for block in it:
+                    if type(block) is not block_type:
+                        break
+                    if block.prev_free_block is not None or block.next_free_block is not None:
+                        break
+                    block.prev_free_block = prev
+                    prev.next_free_block = block
+                    prev = block
+                else:
+                    prev.next_free_block = right
+                    right.prev_free_block = prev
+                    self._num_free_blocks = num + len(blocks)
+                    return
+                self._undo(left, (), right, blocks)
+            except BaseException:
+                self._undo(left, (), right, blocks)
+                self._num_free_blocks = num
+                raise
         self._link("append_n", False, blocks)
 
     def prepend_n(self, blocks: Iterable[B], /) -> None:
@@ -656,3 +690,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
             f"<{type(self).__qualname__} num_free_blocks={self._num_free_blocks} "
             f"block_type={self._block_type.__qualname__}>"
         )
+
+
+def _walk_error(past_the_end: bool, num: int) -> Exception:
+    """What popleft_n raises at a block whose ``next_free_block`` is None: the
+    count's error if it had to take more blocks (or that block is the tail),
+    else the broken link's, as the compiled twin's walk does."""
+    return _errors.out_of_sync(num) if past_the_end else _errors.invalid_next("popleft_n")
