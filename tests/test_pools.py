@@ -106,19 +106,24 @@ def test_a_block_without_its_pool_slot_gets_an_error_naming_pool(
     assert well_formed(queue_a) is None
 
 
+@pytest.mark.parametrize("method", ["append_n", "prepend_n"])
 @pytest.mark.parametrize(
     ("order", "kind"),
-    [(("linked", "other"), "already linked"), (("other", "linked"), "another pool")],
+    [
+        (("linked", "other"), "already linked"),
+        (("other", "linked"), "another pool"),
+        (("other",), "another pool"),
+    ],
 )
 def test_a_batch_fails_at_its_first_bad_block_whatever_the_misuse(
-    queue_mod: ModuleType, order: tuple[str, str], kind: str
+    queue_mod: ModuleType, method: str, order: tuple[str, ...], kind: str
 ) -> None:
     queue_a, blocks_a, queue_b, blocks_b = _pools(queue_mod, "raise")
     bad = {"linked": blocks_b[1], "other": queue_a.popleft()}
     fresh = queue_b.popleft()
     before = snapshot(queue_b, [*blocks_a, *blocks_b])
     with pytest.raises(ValueError, match=kind):
-        queue_b.append_n([fresh, *(bad[name] for name in order)])
+        getattr(queue_b, method)([fresh, *(bad[name] for name in order)])
     assert snapshot(queue_b, [*blocks_a, *blocks_b]) == before
 
 

@@ -376,11 +376,12 @@ class FreeKVCacheBlockQueue(Generic[B]):
                     self._num_free_blocks = num
                     raise
                 return
-        elif self._pool is None:
-            # vLLM's free path: _link's loop for an unbound queue's exact-type blocks,
-            # written out here because the call costs as much as linking eight blocks.
-            # Any other block stops it, with nothing linked, and _link takes the batch.
+        else:
+            # vLLM's free path: _link's loop for exact-type blocks, written out here
+            # because the call costs as much as linking eight blocks. Any other block
+            # stops it, with nothing linked, and _link takes the batch.
             block_type = self._block_type
+            pool = self._pool
             it = iter(blocks)  # before the ends are read, as in _link
             right: Any = self._tail
             left = right.prev_free_block
@@ -393,6 +394,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
                     if type(block) is not block_type:
                         break
                     if block.prev_free_block is not None or block.next_free_block is not None:
+                        break
+                    if pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
                         break
                     block.prev_free_block = prev
                     prev.next_free_block = block
@@ -438,18 +441,17 @@ class FreeKVCacheBlockQueue(Generic[B]):
         the list. Under ``"repair"`` a bad batch is screened and its good
         blocks linked; ``screened`` marks that second pass, which returns
         False, with nothing linked, if one of them was linked meanwhile.
-        ``checked``: the blocks' classes and pools are checked in a pass of
-        their own (a bound queue's, or a batch with a subclass's block).
+        ``checked``: a batch with a subclass's block, whose classes and pools
+        are checked in a pass of their own (those checks may run Python code).
         """
         block_type = self._block_type
-        if checked or self._pool is not None:
-            # In a pass of its own, which leaves the linking loop as it is for an
-            # unbound queue's exact-type blocks.
+        pool = self._pool
+        if checked:
             stop = self._checked_run(blocks)
             if stop < len(blocks):
                 block = blocks[stop]
                 return self._link_failed(method, front, blocks, block, stop, screened, True)
-            checked = True
+            pool = None  # checked by that pass
         it = iter(blocks)  # allocated by a call before the ends are read, as in popleft_n
         if front:
             left: Any = self._head
@@ -470,6 +472,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
                     break
                 if block.prev_free_block is not None or block.next_free_block is not None:
                     break
+                # A bound queue's class has `pool` as a plain slot: reading it runs no
+                # Python code (an unset one raises AttributeError, undone below).
+                if pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
+                    break
                 block.prev_free_block = prev
                 prev.next_free_block = block
                 prev = block
@@ -487,9 +493,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     def _checked_run(self, blocks: Sequence[B]) -> int:
         """``len(blocks)`` if every item is a block of the queue's class (and, for a
-        bound queue, of its pool; the compiled twin's ``_pool_run``), else the index
-        at which linking the batch fails: the first item that is not, or a block
-        before it that is linked or given twice."""
+        bound queue, of its pool), else the index at which linking the batch fails:
+        the first item that is not, or a block before it that is linked or given
+        twice. For a batch that holds a subclass's block, whose checks may run
+        Python code."""
         block_type = self._block_type
         pool = self._pool
         stop = next(
@@ -529,7 +536,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if type(block) is not block_type and not is_block(block, block_type):
             raise _core.not_a_block(block, block_type, f"{method}()")
         linked = block.prev_free_block is not None or block.next_free_block is not None
-        if not checked and not linked:
+        if not checked and not linked and type(block) is not block_type:
             # A subclass's block, which the loop leaves to a pass of its own.
             return self._link(method, front, blocks, screened, checked=True)
         if not linked and self._pool is not None:
