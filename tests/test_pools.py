@@ -93,17 +93,23 @@ def test_removing_a_sentinel_of_a_bound_queue_is_the_unbound_error(
     check_queue(queue_a, blocks_a, blocks_a)
 
 
-@pytest.mark.parametrize("call", ["remove", "append", "append_n"])
+@pytest.mark.parametrize(
+    "call", ["remove", "append", "append_n", "append_n after a good one", "prepend_n"]
+)
 def test_a_block_without_its_pool_slot_gets_an_error_naming_pool(
     queue_mod: ModuleType, call: str
 ) -> None:
     queue_a, blocks_a, _, _ = _pools(queue_mod, "repair")
-    block = queue_a.popleft() if call != "remove" else blocks_a[1]
+    good = queue_a.popleft()
+    block = queue_a.popleft() if call != "remove" else blocks_a[2]
     del block.pool
-    method = getattr(queue_a, call)
+    before = snapshot(queue_a, blocks_a)
+    method = getattr(queue_a, call.split()[0])
+    batch = [good, block] if call == "append_n after a good one" else [block]
     with pytest.raises(AttributeError, match="pool"):
-        method([block] if call == "append_n" else block)
+        method(batch if "_n" in call else block)
     assert well_formed(queue_a) is None
+    assert snapshot(queue_a, blocks_a) == before
 
 
 @pytest.mark.parametrize("method", ["append_n", "prepend_n"])
