@@ -296,6 +296,31 @@ def test_subclass_blocks_mix_with_their_base(queue_mod: ModuleType) -> None:
     assert [b.block_id for b in queue] == [0, 1, 3]
 
 
+class _Impostor:
+    """Not a block, though it has the links and the pool a bound queue reads."""
+
+    def __init__(self, pool: object) -> None:
+        self.pool = pool
+        self.prev_free_block = self.next_free_block = None
+
+
+@pytest.mark.parametrize("method", ["append_n", "prepend_n"])
+@pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
+def test_a_batch_with_a_subclass_block_still_refuses_a_non_block(
+    queue_mod: ModuleType, method: str, bound: bool
+) -> None:
+    # A subclass's block sends the batch through a pass of its own: it too checks classes.
+    pool = object() if bound else None
+    blocks = [KVCacheBlock(i, pool=pool) for i in range(3)]
+    queue = queue_mod.FreeKVCacheBlockQueue(blocks)
+    sub, impostor = SubBlock(3, pool=pool), _Impostor(pool)
+    before = snapshot(queue, [*blocks, sub])
+    with pytest.raises(TypeError, match="_Impostor"):
+        getattr(queue, method)([sub, impostor])
+    assert snapshot(queue, [*blocks, sub]) == before
+    assert impostor.prev_free_block is impostor.next_free_block is None
+
+
 def test_queue_of_subclass_rejects_base_blocks(queue_mod: ModuleType) -> None:
     queue = queue_mod.FreeKVCacheBlockQueue([SubBlock(0)])
     assert queue.block_type is SubBlock

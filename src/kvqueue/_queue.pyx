@@ -30,9 +30,8 @@ Each method here and its pure twin::
       iter_blocks_after, __iter__, __len__, __repr__, __reduce_ex__
     num_free_blocks member, __setattr__,   num_free_blocks property
       __delattr__
-    _link + _link_failed, _pool_run        _link + _link_failed (pools checked in the
-                                             loop, which append_n also writes out)
-    _link's class check                    _checked_run (a batch with a subclass's block)
+    _link + _link_failed, _pool_run        _link + _link_failed, _checked_run (and
+                                             _link's loop written out in append_n)
     _link_repaired, _screen, _misuse       the same names
     _unlink_run                            _undo (partial=...)
     _misused_append, _misused_remove       inline in append, remove
@@ -64,12 +63,12 @@ The deliberate differences, and why:
 - A queue made by ``__new__`` alone refuses every method here with
   RuntimeError (``_check``); the pure twin fails at its first read of an unset
   slot, with AttributeError, so that its valid path pays for no check.
-- A bound queue checks its pool in a pass of its own (``_pool_run``), so that
-  the unbound linking loop is unchanged; the pure twin checks it in the loop (a
-  bound queue's class has ``pool`` as a plain slot, read with no Python code
-  run), where a second pass would cost it as much as the loop. Its own pass,
-  ``_checked_run``, checks a batch that holds a subclass's block. Both stop at
-  the same block.
+- A bound queue checks its pool in a pass of its own (``_pool_run``), as the
+  pure twin's ``_link`` does (``_checked_run``, which also checks a batch that
+  holds a subclass's block), so that the unbound linking loop is unchanged; the
+  pure ``append_n``, vLLM's free path, checks it in its loop instead (a bound
+  queue's class has ``pool`` as a plain slot, read with no Python code run).
+  All stop at the same block.
 """
 
 cimport cython

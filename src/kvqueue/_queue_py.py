@@ -395,6 +395,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
                         break
                     if block.prev_free_block is not None or block.next_free_block is not None:
                         break
+                    # A bound queue's class has `pool` as a plain slot: reading it runs
+                    # no Python code (an unset one raises AttributeError, undone below).
                     if pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
                         break
                     block.prev_free_block = prev
@@ -441,17 +443,18 @@ class FreeKVCacheBlockQueue(Generic[B]):
         the list. Under ``"repair"`` a bad batch is screened and its good
         blocks linked; ``screened`` marks that second pass, which returns
         False, with nothing linked, if one of them was linked meanwhile.
-        ``checked``: a batch with a subclass's block, whose classes and pools
-        are checked in a pass of their own (those checks may run Python code).
+        ``checked``: the blocks' classes and pools are checked in a pass of
+        their own (a bound queue's, or a batch with a subclass's block).
         """
         block_type = self._block_type
-        pool = self._pool
-        if checked:
+        if checked or self._pool is not None:
+            # In a pass of its own, which leaves the linking loop as it is for an
+            # unbound queue's exact-type blocks (the constructor's 100,000 and more).
             stop = self._checked_run(blocks)
             if stop < len(blocks):
                 block = blocks[stop]
                 return self._link_failed(method, front, blocks, block, stop, screened, True)
-            pool = None  # checked by that pass
+            checked = True
         it = iter(blocks)  # allocated by a call before the ends are read, as in popleft_n
         if front:
             left: Any = self._head
@@ -472,10 +475,6 @@ class FreeKVCacheBlockQueue(Generic[B]):
                     break
                 if block.prev_free_block is not None or block.next_free_block is not None:
                     break
-                # A bound queue's class has `pool` as a plain slot: reading it runs no
-                # Python code (an unset one raises AttributeError, undone below).
-                if pool is not None and block.pool is not pool:  # type: ignore[attr-defined]
-                    break
                 block.prev_free_block = prev
                 prev.next_free_block = block
                 prev = block
@@ -493,21 +492,18 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     def _checked_run(self, blocks: Sequence[B]) -> int:
         """``len(blocks)`` if every item is a block of the queue's class (and, for a
-        bound queue, of its pool), else the index at which linking the batch fails:
-        the first item that is not, or a block before it that is linked or given
-        twice. For a batch that holds a subclass's block, whose checks may run
-        Python code."""
+        bound queue, of its pool; the compiled twin's ``_pool_run``), else the index
+        at which linking the batch fails: the first item that is not, or a block
+        before it that is linked or given twice."""
         block_type = self._block_type
         pool = self._pool
-        stop = next(
-            (
-                i
-                for i, block in enumerate(blocks)
-                if not is_block(block, block_type)
-                or (pool is not None and getattr(block, "pool", None) is not pool)
-            ),
-            len(blocks),
-        )
+        stop = 0
+        for block in blocks:
+            if type(block) is not block_type and not is_block(block, block_type):
+                break
+            if pool is not None and getattr(block, "pool", None) is not pool:
+                break
+            stop += 1
         if stop == len(blocks):
             return stop
         seen: set[int] = set()
