@@ -378,7 +378,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 return
         else:
             # vLLM's free path: _link's loop for exact-type blocks, written out here
-            # because the call costs as much as linking eight blocks. Any other block
+            # because the call costs as much as linking a block. Any other block
             # stops it, with nothing linked, and _link takes the batch.
             block_type = self._block_type
             pool = self._pool
