@@ -445,6 +445,8 @@ class FreeKVCacheBlockQueue(Generic[B]):
         False, with nothing linked, if one of them was linked meanwhile.
         ``checked``: the blocks' classes and pools are checked in a pass of
         their own (a bound queue's, or a batch with a subclass's block).
+        ``append_n`` writes this loop out again for its exact-type blocks: an
+        edit to one is an edit to both.
         """
         block_type = self._block_type
         if checked or self._pool is not None:
