@@ -1,0 +1,153 @@
+"""The vLLM release lines kvqueue accepts, and what each one has: the one table of them.
+
+Each row was read from that line's released wheel (``vllm/v1/core/kv_cache_utils.py`` and
+``block_pool.py``) and is proven by that release's own suites (``vllm_tests/``). The checks of
+``kvqueue.vllm``, the pool guard, ``python -m kvqueue``, the tests and CI all read this table;
+nothing else names a vLLM version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+__all__ = ("LINES", "Line", "LineMismatch", "accepted", "find", "mismatch", "parse")
+
+_FIELDS_023 = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null")
+_FIELDS_024 = (*_FIELDS_023[:3], "_block_hash_num_tokens", *_FIELDS_023[3:])
+_FIELDS_030 = (*_FIELDS_024[:2], "pool", *_FIELDS_024[2:])
+
+_QUEUE_023 = frozenset(
+    ("popleft", "popleft_n", "remove", "append", "prepend_n", "append_n", "get_all_free_blocks")
+)
+_QUEUE_026 = _QUEUE_023 | {"iter_blocks_after"}
+
+# The guarded BlockPool methods each line defines, with their parameters after ``self``.
+_POOL_023 = {
+    "get_new_blocks": ("num_blocks",),
+    "touch": ("blocks",),
+    "free_blocks": ("ordered_blocks", "prepend"),
+}
+_POOL_024 = {**_POOL_023, "free_blocks": ("ordered_blocks",)}
+_POOL_030 = {**_POOL_024, "unpin_blocks": ("blocks", "on_reuse")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """One minor line of vLLM: the newest patch release proven, and what the line has."""
+
+    #: The newest patch release of the line that vLLM's index has; the one tested.
+    release: str
+    #: ``dataclasses.fields(KVCacheBlock)``, in order (every line: ``slots=True``).
+    block_fields: tuple[str, ...]
+    #: The public methods of vLLM's ``FreeKVCacheBlockQueue``.
+    queue_methods: frozenset[str]
+    #: The guarded ``BlockPool`` methods the line defines, each with its parameter names.
+    pool_methods: dict[str, tuple[str, ...]]
+    #: ``free_blocks`` decrements every occurrence before it queues any (0.23): a block
+    #: listed twice is queued twice; later lines classify each block inside the loop.
+    counts_first: bool
+    #: ``free_blocks`` and ``touch`` skip null blocks before touching ``ref_cnt`` (0.33+).
+    skips_null: bool
+    #: The torch release the line's wheel pins (the CPU build used here may differ).
+    torch: str
+
+    @property
+    def minor(self) -> tuple[int, int]:
+        major, minor, *_ = self.release.split(".")
+        return int(major), int(minor)
+
+    @property
+    def name(self) -> str:
+        return "{}.{}".format(*self.minor)
+
+    @property
+    def has_pool_field(self) -> bool:
+        """Blocks name their pool (0.30+); before, every block a pool frees is its own."""
+        return "pool" in self.block_fields
+
+
+def _line(release: str, fields: tuple[str, ...], queue: frozenset[str], pool: dict[str, tuple[str, ...]], torch: str) -> Line:  # fmt: skip
+    minor = parse(release)
+    assert minor is not None
+    return Line(release, fields, queue, pool, minor <= (0, 23), minor >= (0, 33), torch)
+
+
+LINES: tuple[Line, ...] = (
+    _line("0.23.0", _FIELDS_023, _QUEUE_023, _POOL_023, "2.11"),
+    _line("0.24.0", _FIELDS_024, _QUEUE_023, _POOL_024, "2.11"),
+    _line("0.25.1", _FIELDS_024, _QUEUE_023, _POOL_024, "2.11"),
+    _line("0.26.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.11"),
+    _line("0.27.1", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
+    _line("0.28.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
+    _line("0.29.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
+    _line("0.30.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
+    _line("0.31.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
+    _line("0.32.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
+    _line("0.33.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.14"),
+)
+
+
+class LineMismatch(Exception):
+    """What an installed vLLM has that its line's row does not say (the message)."""
+
+
+def accepted() -> str:
+    """The accepted lines for a message: ``0.23, 0.24, ..., 0.33``."""
+    return ", ".join(line.name for line in LINES)
+
+
+def parse(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string (``0.31.0``, ``0.33.0+cpu``, ``0.30.1rc1``)."""
+    parts = version.split(".")
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
+    digits = ""
+    for char in parts[1]:
+        if not char.isdigit():
+            break
+        digits += char
+    return (int(parts[0]), int(digits)) if digits else None
+
+
+def find(version: str) -> Line | None:
+    """The accepted line of ``version``, or None."""
+    minor = parse(version)
+    return next((line for line in LINES if line.minor == minor), None)
+
+
+def mismatch(line: Line, block_class: type, queue_class: type, pool_class: type) -> str | None:
+    """How vLLM's own classes differ from ``line``'s row, or None when they match.
+
+    Reads the classes' definitions only: dataclass fields, the queue's public methods and
+    the guarded pool methods' parameter names (``inspect.signature``, which follows a
+    ``__wrapped__`` left by kvqueue's own guard or another project's patch).
+    """
+    if not dataclasses.is_dataclass(block_class):
+        return f"KVCacheBlock is not a dataclass: {block_class!r}"
+    fields = tuple(f.name for f in dataclasses.fields(block_class))
+    if fields != line.block_fields:
+        return f"KVCacheBlock has fields {fields}, vLLM {line.name}'s are {line.block_fields}"
+    methods = {name for name in vars(queue_class) if not name.startswith("_")}
+    methods = {name for name in methods if callable(getattr(queue_class, name))}
+    if methods != line.queue_methods:
+        return (
+            f"FreeKVCacheBlockQueue has methods {sorted(methods)}, "
+            f"vLLM {line.name}'s are {sorted(line.queue_methods)}"
+        )
+    for name in ("get_new_blocks", "touch", "free_blocks", "unpin_blocks"):
+        expected = line.pool_methods.get(name)
+        found: Any = inspect.getattr_static(pool_class, name, None)
+        if (found is None) != (expected is None):
+            has = "has" if found is not None else "lacks"
+            return f"BlockPool {has} {name}(), unlike vLLM {line.name}"
+        if found is None:
+            continue
+        try:
+            params = tuple(inspect.signature(found).parameters)[1:]
+        except (TypeError, ValueError):
+            return f"BlockPool.{name} has no signature to read"
+        if params != expected:
+            return f"BlockPool.{name}{params} differs from vLLM {line.name}'s {expected}"
+    return None
