@@ -33,6 +33,19 @@ _POOL_024 = {**_POOL_023, "free_blocks": ("ordered_blocks",)}
 _POOL_030 = {**_POOL_024, "unpin_blocks": ("blocks", "on_reuse")}
 
 
+def parse(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string (``0.31.0``, ``0.33.0+cpu``, ``0.30.1rc1``)."""
+    parts = version.split(".")
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
+    digits = ""
+    for char in parts[1]:
+        if not char.isdigit():
+            break
+        digits += char
+    return (int(parts[0]), int(digits)) if digits else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Line:
     """One minor line of vLLM: the newest patch release proven, and what the line has."""
@@ -96,19 +109,6 @@ class LineMismatch(Exception):
 def accepted() -> str:
     """The accepted lines for a message: ``0.23, 0.24, ..., 0.33``."""
     return ", ".join(line.name for line in LINES)
-
-
-def parse(version: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a version string (``0.31.0``, ``0.33.0+cpu``, ``0.30.1rc1``)."""
-    parts = version.split(".")
-    if len(parts) < 2 or not parts[0].isdigit():
-        return None
-    digits = ""
-    for char in parts[1]:
-        if not char.isdigit():
-            break
-        digits += char
-    return (int(parts[0]), int(digits)) if digits else None
 
 
 def find(version: str) -> Line | None:
