@@ -1,4 +1,4 @@
-"""Start vLLM 0.33.0 on the CPU as a user does, serve rounds of requests, report as JSON.
+"""Start vLLM on the CPU as a user does, serve rounds of requests, report as JSON.
 
 ``python -m live.driver --out RESULT.json`` (``vllm_tests`` on ``PYTHONPATH``) runs one engine:
 ``vllm.LLM`` (or ``AsyncLLM`` with ``--api async``) with V1 multiprocessing on (the engine core
@@ -37,7 +37,7 @@ BLOCK_SIZE = 16
 PREFIX = 2 * BLOCK_SIZE
 #: A small pool, so that rounds reuse and evict blocks (and may preempt requests).
 NUM_BLOCKS = 80
-VOCAB = model.CONFIG["vocab_size"]
+VOCAB = model.VOCAB
 
 
 def prompts(round_: int, count: int) -> list[list[int]]:
@@ -51,6 +51,14 @@ def prompts(round_: int, count: int) -> list[list[int]]:
     return result
 
 
+def completions(rounds: int, requests: int, max_tokens: int) -> list[list[list[int]]]:
+    """What a right engine answers to each prompt of each round (``model.completion``)."""
+    return [
+        [model.completion(prompt, max_tokens) for prompt in prompts(round_, requests)]
+        for round_ in range(rounds)
+    ]
+
+
 def engine_kwargs(model_dir: Path, *, plain: bool, blocks: int = NUM_BLOCKS) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
@@ -59,7 +67,7 @@ def engine_kwargs(model_dir: Path, *, plain: bool, blocks: int = NUM_BLOCKS) -> 
         "enable_prefix_caching": True,
         "block_size": BLOCK_SIZE,
         "num_gpu_blocks_override": blocks,
-        "max_model_len": 1024,
+        "max_model_len": model.MAX_LEN,
         "seed": 0,
     }
     if not plain:

@@ -7,18 +7,21 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   requests' block tables (the single full-attention manager's ``req_to_blocks``): each block's
   ``ref_cnt`` equals its number of holders, and the free list holds exactly the blocks nobody
   holds, as many as the pool counts; the first violations are written down;
-* with ``_KVQUEUE_TEST_INJECT=A``, ``B`` or ``AB`` (both) it injects a double free into vLLM's
-  own freeing of a finished request (``_free_request_blocks``), so the faulty call is vLLM's
-  ``BlockPool.free_blocks()`` on the request's block list:
+* with ``_KVQUEUE_TEST_INJECT`` naming forms (``A``, ``B``, ``C``; ``AB``: both) it injects
+  double frees. ``A`` and ``B`` go into vLLM's own freeing of a finished request
+  (``_free_request_blocks``), so the faulty call is vLLM's ``BlockPool.free_blocks()`` on the
+  request's block list:
 
   - ``A`` (vLLM issue 42571): a block that request alone holds is in its list twice, so the
     one ``free_blocks()`` call gives it twice;
   - ``B``: a block that is already free (a finished request's prefix block, cached) is in the
-    list of the next request that finishes, so it is freed again.
+    list of the next request that finishes, so it is freed again;
 
-  The injected block is a request's first block: the next round's prompts of its group hit
-  it in the prefix cache. ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections
-  of each form.
+  the block is a request's first block: the next round's prompts of its group hit it in the
+  prefix cache. ``C`` is what such a double free leaves in a full pool: once a step has
+  scheduled every block, a block that a running request holds (``ref_cnt`` 1) is linked into
+  the free list, which then counts one free block, so the next allocation meets it.
+  ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections of each form.
 
 Everything it sees goes, one JSON object a line, to the journal ``_KVQUEUE_TEST_JOURNAL``
 (appended and flushed at once, so it survives the engine core's death): the queue and guard
@@ -40,7 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from live import INJECT, INJECT_COUNT, JOURNAL
 
-#: vLLM 0.33.0's BlockPool methods that move reference counts or hand out blocks.
+#: The BlockPool methods that move reference counts or hand out blocks (unpin_blocks: 0.30+).
 GUARDED = ("free_blocks", "touch", "get_new_blocks", "unpin_blocks")
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
@@ -82,7 +85,11 @@ def pool_evidence(pool: BlockPool) -> dict[str, Any]:
         "status": status() if status is not None else None,
         # Where the code of each pool method the guard covers comes from: vLLM's block_pool.py
         # unguarded (a wrapper may copy vLLM's names, never its code object).
-        "methods": {name: _defined_in(getattr(type(pool), name)) for name in GUARDED},
+        "methods": {
+            name: _defined_in(getattr(type(pool), name))
+            for name in GUARDED
+            if hasattr(type(pool), name)
+        },
         "num_blocks": pool.num_gpu_blocks,
     }
 
@@ -150,7 +157,7 @@ class CheckedScheduler(Scheduler):
         (self.manager,) = self.kv_cache_manager.coordinator.single_type_managers
         count = int(os.environ.get(INJECT_COUNT, "1"))
         # form -> injections still to make
-        self.left = {form: count for form in os.environ.get(INJECT, "") if form in "AB"}
+        self.left = {form: count for form in os.environ.get(INJECT, "") if form in "ABC"}
         self.stale: Any = None  # form B: a freed prefix block to free again
         self.steps = 0
         self.violating_steps = 0
@@ -166,6 +173,8 @@ class CheckedScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = self._watched(super().schedule, *args, **kwargs)
         self._check("schedule")
+        if self.left.get("C") and self.pool.get_num_free_blocks() == 0:
+            self._plant()
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
@@ -234,6 +243,8 @@ class CheckedScheduler(Scheduler):
     def _inject(self, request_id: str, blocks: list[Any]) -> int | None:
         """Add a due double free to ``blocks`` (the request's table); the block's id, or None."""
         for form, left in self.left.items():
+            if form == "C":
+                continue
             block = self._candidate(form, blocks) if left and blocks else None
             if block is None:
                 continue
@@ -250,6 +261,25 @@ class CheckedScheduler(Scheduler):
             )
             return int(block.block_id)
         return None
+
+    def _plant(self) -> None:
+        """Form C: a block a running request alone holds, linked into the empty free list."""
+        for request_id, blocks in self.manager.req_to_blocks.items():
+            block = next((b for b in blocks if not b.is_null and b.ref_cnt == 1), None)
+            if block is None:
+                continue
+            self.left["C"] -= 1
+            self.pool.free_block_queue.append(block)
+            self.journal.write(
+                "injected",
+                form="C",
+                step=self.steps,
+                request=request_id,
+                block=block.block_id,
+                ref_cnt=block.ref_cnt,
+                free_blocks=self.pool.get_num_free_blocks(),
+            )
+            return
 
     def _candidate(self, form: str, blocks: list[Any]) -> Any:
         if form == "A":
