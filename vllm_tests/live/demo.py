@@ -47,8 +47,8 @@ FORMS = {
     "B": "a block that is already free, freed again",
     "C": "a block a running request holds, linked into the free list of a full pool",
 }
-#: Form C needs a pool that fills up: fewer blocks than the requests' peak.
-BLOCKS = {"C": 48}
+#: Form C needs a pool that fills up: fewer blocks than a round's peak.
+BLOCKS = {"C": 96}
 ROUNDS, REQUESTS, MAX_TOKENS = 3, 20, 24
 
 

@@ -46,7 +46,7 @@ def write(directory: Path) -> Path:
 
 VOCAB: int = CONFIG["vocab_size"]  # type: ignore[assignment]
 #: The longest context: the engine's ``max_model_len``.
-MAX_LEN = 1024
+MAX_LEN = 512
 #: One weight per position: every token of the context moves the next one, so a KV slot that
 #: holds another request's token changes the answer (but for a chance of 1 in ~VOCAB).
 WEIGHTS: list[int] = [random.Random(f"weight {i}").randrange(1, 1 << 20) for i in range(MAX_LEN)]
