@@ -7,7 +7,8 @@
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
-#   make demo             a double free in a live vLLM engine: vLLM's queue, kvqueue raise, repair
+#   make demo             a double free in a live vLLM engine: vLLM alone, kvqueue raise, repair
+#                         (VLLM=0.31.0: on that vLLM line)
 #   make memcheck         the compiled twin under AddressSanitizer and valgrind
 #   make py314            the wheel and the suite on Debian unstable's CPython 3.14 (root)
 #   make clean
@@ -88,9 +89,11 @@ vllm-tests:
 	    && "$$venv/bin/python" -m pytest -p no:cacheprovider -p no:asyncio vllm_tests
 
 # A live vLLM engine on the CPU (vllm_tests/live/), a double free injected in its engine core,
-# three ways side by side (DEMO_ARGS=--form B: a free block freed again).
+# three ways side by side (DEMO_ARGS=--form B: a free block freed again; --form C: a held
+# block in a full pool's free list). VLLM=0.31.0: that release's Python code laid over the
+# venv's vLLM (vllm_tests/live/lines.py); any line of src/kvqueue/_vllm_lines.py.
 demo:
-	$(PYTHON311) vllm_tests/live/demo.py $(DEMO_ARGS)
+	$(PYTHON311) vllm_tests/live/demo.py $(if $(VLLM),--vllm $(VLLM)) $(DEMO_ARGS)
 
 # MEMCHECK_ARGS=--full: the whole suite under both tools.
 memcheck: $(VENV)/.ready

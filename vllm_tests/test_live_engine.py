@@ -1,10 +1,14 @@
-"""kvqueue in a live vLLM 0.33.0 engine: ``vllm.LLM`` / ``AsyncLLM`` on the CPU, engine core in
-its own process, a stub model (vllm_tests/live/).
+"""kvqueue in a live vLLM engine: ``vllm.LLM`` / ``AsyncLLM`` on the CPU, engine core in its own
+process, a stub model with a real KV cache on the CPU (vllm_tests/live/).
 
-Run with pytest in the vLLM venv (``make vllm-tests``). Each run is a fresh driver process
-(``live.driver.run``) whose only kvqueue settings are ``KVQUEUE_VLLM`` and ``KVQUEUE_ON_MISUSE``,
-as a user's; what the engine core saw comes back in its journal (``live.scheduler``). A run
-takes about 20 s, so each is made once and shared by the tests that read it.
+Run with pytest in the vLLM venv (``make vllm-tests``); for an older line, with that line's
+Python code first on ``PYTHONPATH`` (``PYTHONPATH=$(python vllm_tests/live/lines.py 0.31.0)``):
+the engine cores the tests start import the vLLM this process imports. Each run is a fresh
+driver process (``live.driver.run``) whose only kvqueue settings are ``KVQUEUE_VLLM`` and
+``KVQUEUE_ON_MISUSE``, as a user's; what the engine core saw comes back in its journal
+(``live.scheduler``). Every completion is checked against the stub model's own answer
+(``live.model.completion``), which the engine gives only if no two requests held one KV block.
+A run takes 30-60 s, so each is made once and shared by the tests that read it.
 
 Tests about the pool guard skip while the installed kvqueue has no ``kvqueue.vllm.status``.
 """
@@ -32,8 +36,10 @@ with warnings.catch_warnings():
     pytest.importorskip("vllm")
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
 
+import vllm  # noqa: E402
+
 # vllm_tests/ is on sys.path: pytest inserts a test file's directory (no __init__.py here).
-from live import JOURNAL, driver  # noqa: E402
+from live import JOURNAL, driver, model  # noqa: E402
 
 TWINS = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
 #: KVQUEUE_VLLM for each twin: "1" is what a user sets, and picks the compiled twin.
@@ -43,6 +49,10 @@ needs_guard = pytest.mark.skipif(
     not hasattr(kvqueue_vllm, "status"),
     reason="this kvqueue has no pool guard yet (kvqueue.vllm.status is missing)",
 )
+#: What a right engine answers, round by round (the driver's default workload).
+RIGHT = driver.completions(3, 20, 24)
+#: Form C needs a pool that fills up (a round's peak is about 120 blocks).
+FULL_POOL = ("--blocks", "96")
 
 
 class Runs:
@@ -78,9 +88,21 @@ def started(run: driver.Run) -> dict[str, Any]:
 
 
 def assert_served(run: driver.Run) -> None:
+    """Every request served, and served right."""
     assert run.result["error"] is None, run.output[-3000:]
     assert run.completed == 60
     assert run.events("died") == []
+    assert run.result["outputs"] == RIGHT
+
+
+def wrong(run: driver.Run) -> int:
+    """The completions the user got that the model would not have given."""
+    return sum(
+        got != want
+        # strict=False: a dead engine leaves rounds unserved
+        for got_round, want_round in zip(run.result["outputs"], RIGHT, strict=False)
+        for got, want in zip(got_round, want_round, strict=True)
+    )
 
 
 # -- the engine as users start it ----------------------------------------------------------
@@ -94,6 +116,19 @@ def test_engine_core_is_its_own_spawned_process(runs: Runs) -> None:
     assert report["pid"] != run.result["pid"]
     assert report["start_method"] == "spawn"
     assert started(run)["queue"] == "vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue"
+    # The vLLM this process imported (an older line first on PYTHONPATH) is the engine's.
+    assert started(run)["vllm"] == vllm.__version__
+
+
+def test_the_stub_reads_its_kv_cache() -> None:
+    """The model's answer moves with any token of the context: a KV slot that holds another
+    request's token gives another answer, so a shared block shows in the completions."""
+    prompt = driver.prompts(0, 1)[0]
+    answer = model.next_token(prompt)
+    for position in (0, len(prompt) // 2, len(prompt) - 1):
+        changed = [*prompt]
+        changed[position] = (changed[position] + 1) % model.VOCAB
+        assert model.next_token(changed) != answer, position
 
 
 @pytest.mark.parametrize("twin", TWINS)
@@ -120,6 +155,7 @@ def test_the_engine_cores_pool_is_guarded(runs: Runs, twin: str) -> None:
     assert start["status"]["on_misuse"] in (None, "raise")  # None: the environment's, unset
     assert start["on_misuse"] == "raise"
     assert vllms_own(start["methods"]) == set()
+    assert set(start["methods"]) == set(start["status"]["guarded"])
 
 
 @needs_guard
@@ -130,18 +166,12 @@ def test_the_guard_can_be_turned_off(runs: Runs) -> None:
     assert vllms_own(started(run)["methods"]) == set(started(run)["methods"])
 
 
-def test_same_requests_same_outputs_three_ways(runs: Runs) -> None:
-    reference = runs.get(None)
-    for twin in TWINS:
-        run = runs.get(SETTING[twin])
+def test_every_contender_serves_the_models_answers(runs: Runs) -> None:
+    """No double free: vLLM alone and each twin give each request the model's completion."""
+    for setting in (None, *SETTING.values()):
+        run = runs.get(setting)
         assert_served(run)
-        assert run.result["outputs"] == reference.result["outputs"], twin
-        assert run.events("violation") == [], twin
-    assert reference.events("violation") == []
-    # The stub's answer: each token the one after the last.
-    prompt = driver.prompts(0, 1)[0]
-    first = reference.result["outputs"][0][0]
-    assert first[:3] == [(prompt[-1] + k) % driver.VOCAB for k in (1, 2, 3)]
+        assert run.events("violation") == [], setting
 
 
 def test_async_llm_asked_to_fork_spawns_and_serves_the_same(runs: Runs) -> None:
@@ -152,24 +182,24 @@ def test_async_llm_asked_to_fork_spawns_and_serves_the_same(runs: Runs) -> None:
     assert_served(run)
     assert run.result["report"]["start_method"] == "spawn"
     assert started(run)["queue"] == "kvqueue._queue.FreeKVCacheBlockQueue"
-    assert run.result["outputs"] == runs.get(None).result["outputs"]
 
 
 # -- injected double frees ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("form", ["A", "B"])
-def test_vllm_alone_is_damaged_by_a_double_free(runs: Runs, form: str) -> None:
-    """vLLM's own pool takes the block's ref_cnt to -1; then either the engine core dies at
-    get_new_blocks' bare assert, or the pool's accounting stays wrong (a prefix hit gives the
-    block to requests while it is still in the free list)."""
+def test_vllm_alone_serves_wrong_completions_or_dies(runs: Runs, form: str) -> None:
+    """vLLM's own pool takes the block's ref_cnt to -1 and keeps it linked as free; the next
+    round's prefix hit takes it (ref_cnt 0) while it stays in the free list, so it is handed
+    out again while held: a completion comes out wrong, with no error, unless the engine core
+    dies first at get_new_blocks' bare assert (the block popped at ref_cnt -1)."""
     run = runs.get(None, inject=form)
     (injected,) = run.events("injected")
     damage = run.events("violation")
     died = run.events("died")
-    assert damage or died, run.output[-3000:]
-    if damage:
-        assert f"block {injected['block']}: ref_cnt -1, 0 holders" in damage[0]["found"]
+    assert damage, run.output[-3000:]
+    assert f"block {injected['block']}: ref_cnt -1, 0 holders" in damage[0]["found"]
+    assert wrong(run) or died, run.output[-3000:]
     if died:  # seen: AssertionError at block_pool.py's get_new_blocks
         assert died[0]["raised_at"].startswith(("block_pool.py:", "kv_cache_utils.py:"))
         assert run.result["error"] is not None
@@ -187,7 +217,6 @@ def test_repair_serves_every_request_and_keeps_the_pool_exact(runs: Runs, twin: 
     repaired = [e for e in run.events("log") if "repaired a double free" in e["message"]]
     assert len(repaired) >= 1
     assert sum(run.events("repairs")[-1]["counters"].values()) == len(injected)
-    assert run.result["outputs"] == runs.get(None).result["outputs"]
 
 
 @needs_guard
@@ -203,6 +232,35 @@ def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> Non
     assert run.events("violation") == []
     assert run.result["error"] is not None  # the engine core stopped on it, loudly
     assert "double free" in run.output
+    assert wrong(run) == 0
+
+
+@needs_guard
+@pytest.mark.parametrize("twin", TWINS)
+def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
+    """Issue 24 item 3: a held block in the free list of a full pool, which counts it free.
+    The allocation that meets it must not fail for the block the repair takes out: the
+    engine serves every request (preempting as with a full pool), each one right."""
+    run = runs.get(SETTING[twin], "repair", "C", args=FULL_POOL)
+    (injected,) = run.events("injected")
+    assert injected["ref_cnt"] == 1 and injected["free_blocks"] == 1
+    assert run.events("violation")[0]["found"] == [
+        f"block {injected['block']}: held by 1 and in the free list"
+    ]
+    assert_served(run)
+    assert run.events("violation")[-1]["found"] == []  # exact again once repaired
+    assert run.events("repairs")[-1]["counters"]["held_free"] == 1
+
+
+def test_vllm_alone_hands_out_a_held_block(runs: Runs) -> None:
+    """Form C without kvqueue: vLLM pops the held block and dies at its bare assert, or links
+    it twice when its holder frees it."""
+    run = runs.get(None, inject="C", args=FULL_POOL)
+    (injected,) = run.events("injected")
+    assert run.events("died") or wrong(run), run.output[-3000:]
+    assert any(
+        f"block {injected['block']}" in found for v in run.events("violation") for found in v["found"]
+    )
 
 
 # -- vllm serve ------------------------------------------------------------------------------
@@ -260,7 +318,7 @@ def test_vllm_serve_answers_completions_with_kvqueue(tmp_path: Path) -> None:
                     "return_token_ids": True}  # fmt: skip
             choice = _post(base + "/v1/completions", body)["choices"][0]
             assert choice["finish_reason"] == "length"
-            assert choice["token_ids"] == [(prompt[-1] + k) % driver.VOCAB for k in range(1, 9)]
+            assert choice["token_ids"] == model.completion(prompt, 8)
     finally:
         server.terminate()
         try:
@@ -280,8 +338,8 @@ def test_kvqueue_speaks_in_the_engine_cores_own_log(runs: Runs) -> None:
     """The active line and the repairs, in vLLM's format, from the engine core's process."""
     run = runs.get(SETTING["cython"], "repair", "AB", inject_count=2)
     prefix = r"\(EngineCore pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
-    active = prefix.format("INFO", r"vllm\.py") + (
-        r"kvqueue \S+ active: vLLM's free block queue is kvqueue's cython twin, "
+    active = prefix.format("INFO", r"\w+\.py") + (
+        r"kvqueue \S+ active on vLLM \S+: vLLM's free block queue is kvqueue's cython twin, "
         r"pool guard on \(.*\), on_misuse=repair"
     )
     repaired = prefix.format("WARNING", r"_pool_guard\.py") + (

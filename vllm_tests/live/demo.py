@@ -54,8 +54,8 @@ ROUNDS, REQUESTS, MAX_TOKENS = 3, 20, 24
 
 def enter_venv(release: str | None) -> None:
     """Build or reuse the vLLM venv, then replace this process by the demo in it."""
-    print("kvqueue demo: the CPU vLLM venv (vllm_tests/venv.sh; the first build takes "
-          "several minutes and about 4 GB)", flush=True)  # fmt: skip
+    print("kvqueue demo: the CPU vLLM venv (vllm_tests/venv.sh; the first build: several "
+          "minutes, 4 GB)", flush=True)  # fmt: skip
     built = with_progress(
         "vllm_tests/venv.sh",
         lambda: subprocess.run(
@@ -201,18 +201,17 @@ def table(columns: dict[str, dict[str, str]]) -> str:
 
 
 def verdict(counts: dict[str, dict[str, int]], stopped: bool) -> str:
-    """One line: what each contender did to the users' completions."""
-    alone, repair = counts["vLLM alone"], counts["kvqueue repair"]
+    """One line, at most 100 columns: what each contender did to the users' completions."""
+    alone, raised, repair = counts["vLLM alone"], counts["kvqueue raise"], counts["kvqueue repair"]
     total = sum(alone.values())
     if alone["wrong"]:
-        said = f"vLLM alone served {alone['wrong']} wrong completions silently"
+        said = f"vLLM alone: {alone['wrong']}/{total} served wrong, silently"
     else:
-        said = f"vLLM alone served {alone['right']} of {total} right"
-    said += "; raise stopped at the faulty call" if stopped else "; raise did not stop"
-    if counts["kvqueue raise"]["wrong"]:
-        said += f" ({counts['kvqueue raise']['wrong']} wrong)"
-    said += f"; repair served {repair['right']} of {total} right"
-    return "verdict: " + said
+        said = f"vLLM alone: {alone['right']}/{total} right"
+    if raised["wrong"]:
+        said += f"; raise: {raised['wrong']} wrong"
+    said += "; raise: stopped at the fault" if stopped else "; raise: did not stop"
+    return f"verdict: {said}; repair: {repair['right']}/{total} right"
 
 
 def main() -> int:
@@ -232,9 +231,12 @@ def main() -> int:
     if args.vllm is not None and vllm.__version__.split("+")[0] != args.vllm:
         print(f"kvqueue demo: vLLM {vllm.__version__} imported, not {args.vllm}", file=sys.stderr)
         return 2
-    print(f"kvqueue {kvqueue.__version__} ({kvqueue.IMPLEMENTATION}), vLLM {vllm.__version__}; "
-          f"form {args.form}: {FORMS[args.form]}; vllm.LLM serves {ROUNDS} rounds of "
-          f"{REQUESTS} requests (stub model, engine core in its own process)")  # fmt: skip
+    print(textwrap.fill(
+        f"kvqueue {kvqueue.__version__} ({kvqueue.IMPLEMENTATION}), vLLM {vllm.__version__}; "
+        f"form {args.form}: {FORMS[args.form]}; vllm.LLM serves {ROUNDS} rounds of {REQUESTS} "
+        "requests (stub model with a KV cache on the CPU, engine core in its own process)",
+        SCREEN,
+    ))  # fmt: skip
     expected = driver.completions(ROUNDS, REQUESTS, MAX_TOKENS)
     scenarios = {
         "vLLM alone": (None, None),

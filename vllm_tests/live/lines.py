@@ -6,7 +6,8 @@
 ``PYTHONPATH`` of the vLLM venv, it is the ``vllm`` Python imports (its version included), with
 the venv's torch and vLLM's other requirements. The wheel's compiled modules are left out:
 the CPU engine with the stub executor never calls them. For the pinned release itself it
-prints an empty line: the venv's own vLLM is that release. A requirement of the line that the venv
+prints an empty line: the venv's own vLLM is that release. A wheel not there yet is downloaded
+once, as ``venv.sh`` downloads the pinned one. A requirement of the line that the venv
 has no distribution of at all (0.23's ``gguf``, ``diskcache``, ...) is installed into the same
 directory, without its own dependencies (those the venv has are the ones used).
 
@@ -49,9 +50,15 @@ def pinned() -> str:
 
 def unpacked(release: str) -> Path:
     """The directory of ``release``'s Python code, unpacked from its wheel on first use."""
-    wheels = sorted((cache_root() / "wheels").glob(f"vllm-{release}-*.whl"))
+    folder = cache_root() / "wheels"
+    wheels = sorted(folder.glob(f"vllm-{release}-*.whl"))
     if not wheels:
-        raise FileNotFoundError(f"no wheel of vLLM {release} in {cache_root() / 'wheels'}")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+             "-d", str(folder), f"vllm=={release}"],
+            check=True,
+        )  # fmt: skip
+        wheels = sorted(folder.glob(f"vllm-{release}-*.whl"))
     target = cache_root() / "live-lines" / f"vllm-{release}"
     marker = target / ".ready"
     if marker.is_file() and marker.read_text(encoding="utf-8") == wheels[-1].name:

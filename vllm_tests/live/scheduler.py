@@ -74,10 +74,13 @@ class _ToJournal(logging.Handler):
 
 def pool_evidence(pool: BlockPool) -> dict[str, Any]:
     """What this process's pool is built of: its queue's class, and kvqueue's own view."""
+    import vllm
+
     import kvqueue.vllm
 
     status = getattr(kvqueue.vllm, "status", None)
     return {
+        "vllm": vllm.__version__,
         "queue": f"{type(pool.free_block_queue).__module__}.{type(pool.free_block_queue).__name__}",
         "on_misuse": getattr(pool.free_block_queue, "on_misuse", None),
         "installed": kvqueue.vllm.installed(),
@@ -279,6 +282,7 @@ class CheckedScheduler(Scheduler):
                 ref_cnt=block.ref_cnt,
                 free_blocks=self.pool.get_num_free_blocks(),
             )
+            self._check("planted")  # the planted state, before anything meets it
             return
 
     def _candidate(self, form: str, blocks: list[Any]) -> Any:
