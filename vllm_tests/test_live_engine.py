@@ -25,6 +25,7 @@ import time
 import urllib.request
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -120,15 +121,76 @@ def test_engine_core_is_its_own_spawned_process(runs: Runs) -> None:
     assert started(run)["vllm"] == vllm.__version__
 
 
-def test_the_stub_reads_its_kv_cache() -> None:
-    """The model's answer moves with any token of the context: a KV slot that holds another
-    request's token gives another answer, so a shared block shows in the completions."""
+def test_the_models_answer_moves_with_every_token() -> None:
+    """A KV slot that holds another request's token gives another answer."""
     prompt = driver.prompts(0, 1)[0]
     answer = model.next_token(prompt)
     for position in (0, len(prompt) // 2, len(prompt) - 1):
         changed = [*prompt]
         changed[position] = (changed[position] + 1) % model.VOCAB
         assert model.next_token(changed) != answer, position
+
+
+def _step(worker: Any, new: list[Any], cached: list[tuple[str, int, int]]) -> list[list[int]]:
+    """One scheduler step for the stub worker: new requests (id, prompt, blocks, computed),
+    cached ones (id, computed, scheduled); its sampled tokens."""
+    scheduled = {r.req_id: len(r.prompt_token_ids) - r.num_computed_tokens for r in new}
+    scheduled.update({request_id: count for request_id, _, count in cached})
+    output = worker.execute_model(
+        SimpleNamespace(
+            finished_req_ids=set(),
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[c[0] for c in cached],
+                new_block_ids=[None] * len(cached),
+                resumed_req_ids=set(),
+                num_computed_tokens=[c[1] for c in cached],
+            ),
+            num_scheduled_tokens=scheduled,
+        )
+    )
+    return list(output.sampled_token_ids)
+
+
+def test_the_stub_computes_from_its_kv_cache() -> None:
+    """The stub worker's tokens come from what its cache holds: a prefix hit reads the blocks
+    another request wrote, and a block written by a second holder changes the first's next
+    token."""
+    with warnings.catch_warnings():  # vLLM's executor modules import more of torch
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from live.executor import StubWorker
+
+    block = driver.BLOCK_SIZE
+    config = SimpleNamespace(
+        get_total_num_kv_heads=lambda: 4,
+        get_head_size=lambda: 64,
+        hf_text_config=SimpleNamespace(num_hidden_layers=2),
+    )
+    worker = StubWorker(
+        SimpleNamespace(model_config=config, cache_config=SimpleNamespace(block_size=block))
+    )
+    worker.initialize_from_config([SimpleNamespace(num_blocks=8)])
+    prompt = driver.prompts(0, 1)[0][: 2 * block + 3]  # two full blocks, three tokens more
+
+    def new(request_id: str, tokens: list[int], blocks: list[int], computed: int) -> Any:
+        return SimpleNamespace(
+            req_id=request_id, prompt_token_ids=tokens, block_ids=(blocks,),
+            num_computed_tokens=computed,
+        )  # fmt: skip
+
+    assert _step(worker, [new("a", prompt, [1, 2, 3], 0)], []) == [[model.next_token(prompt)]]
+    # "b" hits a's two full blocks: it writes only its own tokens, in its own block 4.
+    other = prompt[: 2 * block] + [7, 8, 9, 10]
+    assert _step(worker, [new("b", other, [1, 2, 4], 2 * block)], []) == [
+        [model.next_token(other)]
+    ]
+    # "c" is handed block 2 while "a" holds it (a double free's outcome) and writes it.
+    intruder = driver.prompts(1, 1)[0][:block]
+    _step(worker, [new("c", intruder, [2], 0)], [])
+    tokens = prompt + [model.next_token(prompt)]
+    (got,) = _step(worker, [], [("a", len(prompt), 1)])
+    assert got != [model.next_token(tokens)]
+    assert got == [model.next_token(prompt[:block] + intruder + tokens[2 * block :])]
 
 
 @pytest.mark.parametrize("twin", TWINS)
