@@ -9,8 +9,6 @@ driver process (``live.driver.run``) whose only kvqueue settings are ``KVQUEUE_V
 (``live.scheduler``). Every completion is checked against the stub model's own answer
 (``live.model.completion``), which the engine gives only if no two requests held one KV block.
 A run takes 30-60 s, so each is made once and shared by the tests that read it.
-
-Tests about the pool guard skip while the installed kvqueue has no ``kvqueue.vllm.status``.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import pytest
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     pytest.importorskip("vllm")
-kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
+pytest.importorskip("kvqueue.vllm")
 
 import vllm  # noqa: E402
 
@@ -46,10 +44,6 @@ TWINS = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
 #: KVQUEUE_VLLM for each twin: "1" is what a user sets, and picks the compiled twin.
 SETTING = {"cython": "1", "python": "python"}
 VLLM_POOL = os.path.join("vllm", "v1", "core", "block_pool.py")
-needs_guard = pytest.mark.skipif(
-    not hasattr(kvqueue_vllm, "status"),
-    reason="this kvqueue has no pool guard yet (kvqueue.vllm.status is missing)",
-)
 #: What a right engine answers, round by round (the driver's default workload).
 RIGHT = driver.completions(3, 20, 24)
 #: Form C needs a pool that fills up (a round's peak is about 120 blocks).
@@ -208,7 +202,6 @@ def vllms_own(methods: dict[str, str]) -> set[str]:
     return {name for name, path in methods.items() if path.endswith(VLLM_POOL)}
 
 
-@needs_guard
 @pytest.mark.parametrize("twin", TWINS)
 def test_the_engine_cores_pool_is_guarded(runs: Runs, twin: str) -> None:
     start = started(runs.get(SETTING[twin]))
@@ -220,7 +213,6 @@ def test_the_engine_cores_pool_is_guarded(runs: Runs, twin: str) -> None:
     assert set(start["methods"]) == set(start["status"]["guarded"])
 
 
-@needs_guard
 def test_the_guard_can_be_turned_off(runs: Runs) -> None:
     run = runs.get("1", extra_env=(("KVQUEUE_POOL_GUARD", "0"),))
     assert_served(run)
@@ -267,7 +259,6 @@ def test_vllm_alone_serves_wrong_completions_or_dies(runs: Runs, form: str) -> N
         assert run.result["error"] is not None
 
 
-@needs_guard
 @pytest.mark.parametrize("twin", TWINS)
 def test_repair_serves_every_request_and_keeps_the_pool_exact(runs: Runs, twin: str) -> None:
     run = runs.get(SETTING[twin], "repair", "AB", inject_count=2)
@@ -281,7 +272,6 @@ def test_repair_serves_every_request_and_keeps_the_pool_exact(runs: Runs, twin: 
     assert sum(run.events("repairs")[-1]["counters"].values()) == len(injected)
 
 
-@needs_guard
 @pytest.mark.parametrize(("form", "twin"), [("A", "cython"), ("B", "python")])
 def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> None:
     run = runs.get(SETTING[twin], "raise", form)
@@ -297,7 +287,6 @@ def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> Non
     assert wrong(run) == 0
 
 
-@needs_guard
 @pytest.mark.parametrize("twin", TWINS)
 def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
     """Issue 24 item 3: a held block in the free list of a full pool, which counts it free.
@@ -395,7 +384,6 @@ def test_vllm_serve_answers_completions_with_kvqueue(tmp_path: Path) -> None:
     assert not [e for e in events if e["event"] in ("violation", "died")]
 
 
-@needs_guard
 def test_kvqueue_speaks_in_the_engine_cores_own_log(runs: Runs) -> None:
     """The active line and the repairs, in vLLM's format, from the engine core's process."""
     run = runs.get(SETTING["cython"], "repair", "AB", inject_count=2)

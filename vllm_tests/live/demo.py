@@ -146,6 +146,12 @@ def at_fault(run: Any) -> tuple[str, str]:
     return "nothing seen", ""
 
 
+def root_cause(run: Any) -> str:
+    """The last exception line the engine core logged: why it did not start."""
+    errors = re.findall(r"^\(EngineCore[^)]*\).*?\] (\w+(?:Error|Exception): .*)$", run.output, re.M)
+    return f"the engine did not start: {errors[-1] if errors else run.result['error']}"
+
+
 def afterwards(run: Any) -> str:
     violations = run.events("violation")
     died = run.events("died")
@@ -162,16 +168,14 @@ def afterwards(run: Any) -> str:
 
 def describe(run: Any, expected: list[list[list[int]]]) -> dict[str, str]:
     """One column of the table: what the engine core saw and what the user got."""
-    start = next(iter(run.events("started")), {})
-    status = start.get("status")
+    start = next(iter(run.events("started")), None)
     injected = run.events("injected")
     counts = tally(run, expected)
     total = sum(counts.values())
     error = run.result["error"]
     return {
-        "queue": queue_name(start.get("queue", "?")),
-        "pool guard": "none in this kvqueue" if status is None else
-        ("on" if status["pool_guard"] else "off"),  # fmt: skip
+        "queue": queue_name(start["queue"]) if start else "(the engine did not start)",
+        "pool guard": ("on" if start["status"]["pool_guard"] else "off") if start else "?",
         "injected": (
             f"block {injected[0]['block']} (ref_cnt {injected[0]['ref_cnt']})"
             if injected
@@ -261,7 +265,7 @@ def main() -> int:
             )  # fmt: skip
             columns[name] = describe(run, expected)
             counts[name] = tally(run, expected)
-            excerpts[name] = at_fault(run)[1]
+            excerpts[name] = at_fault(run)[1] if run.events("started") else root_cause(run)
     print()
     print(table(columns))
     print("-" * SCREEN)

@@ -101,11 +101,11 @@ class StubWorker:
 
         import kvqueue.vllm
 
-        status = getattr(kvqueue.vllm, "status", None)  # None: no pool guard in this kvqueue
+        status = kvqueue.vllm.status()
         return {
             "pid": os.getpid(),
-            "installed": kvqueue.vllm.installed(),
-            "status": status() if status is not None else None,
+            "installed": status["implementation"],
+            "status": status,
             "queue_name": repr(block_pool.FreeKVCacheBlockQueue),
             "start_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
         }

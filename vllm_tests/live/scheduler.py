@@ -17,8 +17,8 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   - ``B``: a block that is already free (a finished request's prefix block, cached) is in the
     list of the next request that finishes, so it is freed again;
 
-  the block is a request's first block: the next round's prompts of its group hit it in the
-  prefix cache. ``C`` is what such a double free leaves in a full pool: once a step has
+  the block is a request's first block: the next round's request of the same index hits it
+  in the prefix cache. ``C`` is what such a double free leaves in a full pool: once a step has
   scheduled every block, a block that a running request holds (``ref_cnt`` 1) is linked into
   the free list, which then counts one free block, so the next allocation meets it.
   ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections of each form.
@@ -78,14 +78,13 @@ def pool_evidence(pool: BlockPool) -> dict[str, Any]:
 
     import kvqueue.vllm
 
-    status = getattr(kvqueue.vllm, "status", None)
+    status = kvqueue.vllm.status()
     return {
         "vllm": vllm.__version__,
         "queue": f"{type(pool.free_block_queue).__module__}.{type(pool.free_block_queue).__name__}",
         "on_misuse": getattr(pool.free_block_queue, "on_misuse", None),
-        "installed": kvqueue.vllm.installed(),
-        # None when this kvqueue has no pool guard yet.
-        "status": status() if status is not None else None,
+        "installed": status["implementation"],
+        "status": status,
         # Where the code of each pool method the guard covers comes from: vLLM's block_pool.py
         # unguarded (a wrapper may copy vLLM's names, never its code object).
         "methods": {
@@ -170,7 +169,7 @@ class CheckedScheduler(Scheduler):
         logging.getLogger("kvqueue").addHandler(_ToJournal(self.journal))
         evidence = pool_evidence(self.pool)
         # Repair counters are read only from a pool the guard watches.
-        self.guarded = bool((evidence["status"] or {}).get("pool_guard"))
+        self.guarded = evidence["status"]["pool_guard"]
         self.journal.write("started", **evidence)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
