@@ -9,8 +9,8 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   holds, as many as the pool counts; the first violations are written down;
 * with ``_KVQUEUE_TEST_INJECT`` naming forms (``A``, ``B``, ``C``; ``AB``: both) it injects
   double frees. ``A`` and ``B`` go into vLLM's own freeing of a finished request
-  (``_free_request_blocks``), so the faulty call is vLLM's ``BlockPool.free_blocks()`` on the
-  request's block list:
+  (``_free_blocks``, in every line), so the faulty call is vLLM's ``BlockPool.free_blocks()``
+  on the request's block list:
 
   - ``A`` (vLLM issue 42571): a block that request alone holds is in its list twice, so the
     one ``free_blocks()`` call gives it twice;
@@ -219,11 +219,11 @@ class CheckedScheduler(Scheduler):
             self.repairs = repairs
             self.journal.write("repairs", step=self.steps, counters=repairs)
 
-    def _free_request_blocks(self, request: Any) -> None:
+    def _free_blocks(self, request: Any) -> None:
         blocks = self.manager.req_to_blocks.get(request.request_id, [])
         injected = self._inject(request.request_id, blocks)
         try:
-            super()._free_request_blocks(request)
+            super()._free_blocks(request)
         except ValueError as error:
             if injected is None:
                 raise
