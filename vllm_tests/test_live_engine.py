@@ -35,10 +35,10 @@ with warnings.catch_warnings():
     pytest.importorskip("vllm")
 pytest.importorskip("kvqueue.vllm")
 
-import vllm  # noqa: E402
+import vllm
 
 # vllm_tests/ is on sys.path: pytest inserts a test file's directory (no __init__.py here).
-from live import JOURNAL, driver, model  # noqa: E402
+from live import JOURNAL, driver, model
 
 TWINS = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
 #: KVQUEUE_VLLM for each twin: "1" is what a user sets, and picks the compiled twin.
@@ -174,14 +174,12 @@ def test_the_stub_computes_from_its_kv_cache() -> None:
 
     assert _step(worker, [new("a", prompt, [1, 2, 3], 0)], []) == [[model.next_token(prompt)]]
     # "b" hits a's two full blocks: it writes only its own tokens, in its own block 4.
-    other = prompt[: 2 * block] + [7, 8, 9, 10]
-    assert _step(worker, [new("b", other, [1, 2, 4], 2 * block)], []) == [
-        [model.next_token(other)]
-    ]
+    other = [*prompt[: 2 * block], 7, 8, 9, 10]
+    assert _step(worker, [new("b", other, [1, 2, 4], 2 * block)], []) == [[model.next_token(other)]]
     # "c" is handed block 2 while "a" holds it (a double free's outcome) and writes it.
     intruder = driver.prompts(1, 1)[0][:block]
     _step(worker, [new("c", intruder, [2], 0)], [])
-    tokens = prompt + [model.next_token(prompt)]
+    tokens = [*prompt, model.next_token(prompt)]
     (got,) = _step(worker, [], [("a", len(prompt), 1)])
     assert got != [model.next_token(tokens)]
     assert got == [model.next_token(prompt[:block] + intruder + tokens[2 * block :])]
@@ -294,7 +292,8 @@ def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
     engine serves every request (preempting as with a full pool), each one right."""
     run = runs.get(SETTING[twin], "repair", "C", args=FULL_POOL)
     (injected,) = run.events("injected")
-    assert injected["ref_cnt"] == 1 and injected["free_blocks"] == 1
+    assert injected["ref_cnt"] == 1
+    assert injected["free_blocks"] == 1
     assert run.events("violation")[0]["found"] == [
         f"block {injected['block']}: held by 1 and in the free list"
     ]
@@ -310,7 +309,9 @@ def test_vllm_alone_hands_out_a_held_block(runs: Runs) -> None:
     (injected,) = run.events("injected")
     assert run.events("died") or wrong(run), run.output[-3000:]
     assert any(
-        f"block {injected['block']}" in found for v in run.events("violation") for found in v["found"]
+        f"block {injected['block']}" in found
+        for v in run.events("violation")
+        for found in v["found"]
     )
 
 

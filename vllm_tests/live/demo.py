@@ -148,7 +148,8 @@ def at_fault(run: Any) -> tuple[str, str]:
 
 def root_cause(run: Any) -> str:
     """The last exception line the engine core logged: why it did not start."""
-    errors = re.findall(r"^\(EngineCore[^)]*\).*?\] (\w+(?:Error|Exception): .*)$", run.output, re.M)
+    logged = r"^\(EngineCore[^)]*\).*?\] (\w+(?:Error|Exception): .*)$"
+    errors = re.findall(logged, run.output, re.M)
     return f"the engine did not start: {errors[-1] if errors else run.result['error']}"
 
 
@@ -204,14 +205,15 @@ def table(columns: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def verdict(counts: dict[str, dict[str, int]], stopped: bool) -> str:
+def verdict(counts: dict[str, dict[str, int]], stopped: bool, alone_pool_wrong: bool) -> str:
     """One line, at most 100 columns: what each contender did to the users' completions."""
     alone, raised, repair = counts["vLLM alone"], counts["kvqueue raise"], counts["kvqueue repair"]
     total = sum(alone.values())
     if alone["wrong"]:
         said = f"vLLM alone: {alone['wrong']}/{total} served wrong, silently"
-    else:
+    else:  # the damage may not have reached a completion yet (vLLM 0.23 loses the block)
         said = f"vLLM alone: {alone['right']}/{total} right"
+        said += ", its pool wrong" if alone_pool_wrong else ""
     if raised["wrong"]:
         said += f"; raise: {raised['wrong']} wrong"
     said += "; raise: stopped at the fault" if stopped else "; raise: did not stop"
@@ -254,7 +256,9 @@ def main() -> int:
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work:
         for name, (setting, policy) in scenarios.items():
-            env = f"KVQUEUE_VLLM={setting} KVQUEUE_ON_MISUSE={policy}" if setting else "no KVQUEUE_*"
+            env = "no KVQUEUE_*"
+            if setting:
+                env = f"KVQUEUE_VLLM={setting} KVQUEUE_ON_MISUSE={policy}"
             runs[name] = run = with_progress(
                 f"{name} ({env})",
                 lambda s=setting, p=policy: driver.run(
@@ -274,7 +278,8 @@ def main() -> int:
             print(textwrap.fill(f"{name}: {message}", SCREEN, subsequent_indent="  "))
     repair, raised = runs["kvqueue repair"], runs["kvqueue raise"]
     stopped = bool(excerpts["kvqueue raise"]) and raised.result["error"] is not None
-    print(verdict(counts, stopped))
+    alone_violations = runs["vLLM alone"].events("violation")
+    print(verdict(counts, stopped, bool(alone_violations and alone_violations[-1]["found"])))
     # What the demo shows is what kvqueue claims: CI runs it, so a claim that fails fails it.
     shown = (
         counts["kvqueue repair"]["right"] == sum(counts["kvqueue repair"].values())
