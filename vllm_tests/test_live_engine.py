@@ -402,12 +402,13 @@ def test_kvqueue_speaks_in_the_engine_cores_own_log(runs: Runs) -> None:
     """The active line and the repairs, in vLLM's format, from the engine core's process."""
     run = runs.get(SETTING["cython"], "repair", "AB", inject_count=2)
     prefix = r"\(EngineCore pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
-    # The file as vLLM's format names it: kvqueue/_vllm_plugin.py (0.33), or its name alone.
-    active = prefix.format("INFO", r"(?:kvqueue/)?_vllm_plugin\.py") + (
+    # kvqueue's module as vLLM's format names it: kvqueue/_vllm_plugin.py, or its name alone.
+    module = r"(?:kvqueue/)?\w+\.py"
+    active = prefix.format("INFO", module) + (
         r"kvqueue \S+ active on vLLM \S+: vLLM's free block queue is kvqueue's cython twin, "
         r"pool guard on \(.*\), on_misuse=repair"
     )
-    repaired = prefix.format("WARNING", r"(?:kvqueue/)?_pool_guard\.py") + (
+    repaired = prefix.format("WARNING", module) + (
         r"BlockPool\.(free_blocks|get_new_blocks|touch)\(\) repaired a double free"
     )
     lines = run.output.splitlines()
