@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _env, _policy, _pool_guard
+from . import _env, _policy, _pool_guard, _vllm_lines
 from ._block import check_block_type
 from ._pool_guard import pool_repairs
 
@@ -228,10 +228,13 @@ def install(
         else:
             state.wrap_foreign = state.wrap_foreign or wrap_foreign
             if state.implementation != name or bool(state.pool_originals) != pool_guard:
-                _pool_guard.unguard(state.pool_class, state.pool_originals)
-                state.pool_originals = {}
+                # From guard to guard in one assignment per method (guard() replaces its
+                # own), never through vLLM's method: no call in between goes unguarded.
                 if pool_guard:
                     state.pool_originals = _guard(state.pool_class, screen, state.wrap_foreign)
+                else:
+                    _pool_guard.unguard(state.pool_class, state.pool_originals)
+                    state.pool_originals = {}
             if state.queue_class is not queue_class or state.on_misuse != on_misuse:
                 state.bound = _queue_name(queue_class, state.bound.block_type, on_misuse)
                 _rebind(state.bound)
@@ -298,7 +301,14 @@ def _describe(obj: object) -> str:
 
 def _guard(pool_class: type, screen: ModuleType, wrap_foreign: bool) -> dict[str, Any]:
     try:
-        return _pool_guard.guard(pool_class, screen, _pool_policy, wrap_foreign=wrap_foreign)
+        line = _vllm_lines.find(getattr(sys.modules.get("vllm"), "__version__", ""))
+        return _pool_guard.guard(
+            pool_class,
+            screen,
+            _pool_policy,
+            wrap_foreign=wrap_foreign,
+            line=line or _vllm_lines.LINES[-1],
+        )
     except _pool_guard.ForeignPatch as exc:
         raise _foreign_method(exc) from None
 
