@@ -192,6 +192,19 @@ def test_any_count_is_screened(queue_mod: ModuleType, count: Any, quiet: Any) ->
         consistent(pool)
 
 
+def test_a_held_block_found_makes_every_later_count_true(queue_mod: ModuleType, quiet: Any) -> None:
+    """A held block among the first free ones means the count the caller read was wrong:
+    every held block in the list is unlinked then, not only those handed out next."""
+    for pool in _pool(queue_mod, NEWEST, "repair", n=12):
+        free = pool.free_block_queue.get_all_free_blocks()
+        for block in (free[0], free[5], free[9]):
+            block.ref_cnt = 1
+        given = pool.get_new_blocks(2)
+        assert not {id(b) for b in given} & {id(free[0]), id(free[5]), id(free[9])}
+        assert _pool_guard.pool_repairs(pool)["held_free"] == 3
+        consistent(pool)
+
+
 # --- item 10: a count that is no integer -------------------------------------------------
 
 

@@ -502,7 +502,8 @@ def _alloc(
     made: _Guard, pool: Any, num_blocks: int, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``get_new_blocks`` when a block among the first ``num_blocks`` free ones has a
-    ``ref_cnt`` that is not 0: one walk along the free list, O(num_blocks + repairs)."""
+    ``ref_cnt`` that is not 0: one walk along the free list, O(num_blocks + repairs), or
+    O(free blocks) once when one is held."""
     original = made.original
     if made.retired or not _binds(made, pool, num_blocks, args, kwargs):
         return original(pool, num_blocks, *args, **kwargs)
@@ -513,17 +514,21 @@ def _alloc(
     bad: list[tuple[Any, int]] = []
     block = head.next_free_block
     taken = 0
-    # At most one step per free block: a cycle of held blocks cannot hold the walk.
+    held = False
+    # At most one step per free block: a cycle of held blocks cannot hold the walk. Once a
+    # held block is found (a count the scheduler read was wrong), the walk goes on to the
+    # end of the list, so that every count read after this call is true.
     steps = queue.num_free_blocks
-    while taken < num_blocks and steps > 0 and block is not None and block is not tail:
+    while (taken < num_blocks or held) and steps > 0 and block is not None and block is not tail:
         steps -= 1
         refs = _count(pool, "get_new_blocks", block)
-        if refs == 0:
-            taken += 1
-        else:
+        if refs > 0:
             bad.append((block, refs))
+            held = True
+        elif taken < num_blocks:
+            taken += 1
             if refs < 0:
-                taken += 1
+                bad.append((block, refs))
         block = block.next_free_block
     if not bad:  # code a block ran during the walk took the misuse away
         return original(pool, num_blocks, *args, **kwargs)
