@@ -319,7 +319,7 @@ def test_a_copied_guard_marker_is_not_kvqueues_guard(queue_mod: ModuleType, quie
             calls.append(args)
             return ours(*args, **kwargs)
 
-        cls.free_blocks = theirs
+        cls.free_blocks = theirs  # type: ignore[attr-defined]
         with pytest.raises(_pool_guard.ForeignPatch):
             _pool_guard.guard(cls, pure, policy_of, wrap_foreign=False, line=NEWEST)
         assert cls.__dict__["free_blocks"] is theirs
@@ -341,15 +341,13 @@ def test_a_copied_guard_marker_is_not_kvqueues_guard(queue_mod: ModuleType, quie
 
 def test_unguard_leaves_no_guard_under_a_later_patch(queue_mod: ModuleType) -> None:
     cls = pool_class(NEWEST)
-    found = _pool_guard.guard(
-        cls, screen_of(queue_mod), policy_of, wrap_foreign=False, line=NEWEST
-    )
+    found = _pool_guard.guard(cls, screen_of(queue_mod), policy_of, wrap_foreign=False, line=NEWEST)
     ours = cls.__dict__["free_blocks"]
 
     def later(self: Any, *args: Any, **kwargs: Any) -> Any:
         return ours(self, *args, **kwargs)
 
-    cls.free_blocks = later
+    cls.free_blocks = later  # type: ignore[attr-defined]
     _pool_guard.unguard(cls, found)
     assert cls.__dict__["free_blocks"] is later
     pool = make_pool(cls, queue_mod, 4, "raise")
@@ -380,8 +378,8 @@ def test_switching_twins_never_puts_vllms_method_back(monkeypatch: pytest.Monkey
     kv_vllm.uninstall()
     try:
         for implementation in ("python", "cython", "python", "cython"):
-            kv_vllm.install(implementation)  # type: ignore[arg-type]
-        assigned = [value for name, value in cls.log if name in vllms]
+            kv_vllm.install(implementation)
+        assigned = [value for name, value in vars(cls)["log"] if name in vllms]
         assert len(assigned) == 4 * len(vllms)
         assert all(_pool_guard._ours(value) is not None for value in assigned)
     finally:
@@ -427,20 +425,23 @@ def _vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Any:
 # --- item 4: one walk per repair call ------------------------------------------------------
 
 
+_REF_CNT_SLOT: Any = VllmStyleBlock.__dict__["ref_cnt"]
+
+
 class _CountedBlock(VllmStyleBlock):
     """Counts the reads of its ``ref_cnt`` (a property over the slot)."""
 
     __slots__ = ()
     reads = 0
 
-    @property  # type: ignore[misc]
+    @property
     def ref_cnt(self) -> Any:
         _CountedBlock.reads += 1
-        return VllmStyleBlock.ref_cnt.__get__(self)  # type: ignore[attr-defined]
+        return _REF_CNT_SLOT.__get__(self)
 
     @ref_cnt.setter
     def ref_cnt(self, value: Any) -> None:
-        VllmStyleBlock.ref_cnt.__set__(self, value)  # type: ignore[attr-defined]
+        _REF_CNT_SLOT.__set__(self, value)
 
 
 def test_repairing_many_blocks_in_one_call_is_one_walk(queue_mod: ModuleType, quiet: Any) -> None:
@@ -480,7 +481,7 @@ class _Slotted:
 
 class _Switched(_Slotted):
     __slots__ = ()
-    ref_cnt = property(lambda self: 0)  # type: ignore[assignment]
+    ref_cnt = property(lambda self: 0)
 
 
 class _SwitchOnTruth:
@@ -507,7 +508,7 @@ def screen(request: pytest.FixtureRequest) -> ModuleType:
 
 
 def test_a_class_switched_mid_screen_is_read_as_switched(screen: ModuleType) -> None:
-    block = _Slotted(1)
+    block: Any = _Slotted(1)
     block.is_null = _SwitchOnTruth(block)
     assert screen.first_excess([block], POOL) == 0  # its ref_cnt now reads 0
 
@@ -530,7 +531,7 @@ def test_a_class_level_descriptor_runs_only_for_the_block(screen: ModuleType) ->
         __slots__ = ("is_null", "next_free_block", "pool", "prev_free_block")
         ref_cnt = descriptor
 
-    block = Described()
+    block: Any = Described()
     block.is_null, block.pool, block.prev_free_block = False, POOL, None
     assert screen.first_excess([block], POOL) == -1
     assert descriptor.reads == [False]
@@ -540,8 +541,9 @@ class _Appending(_Slotted):
     """A block whose ``is_null`` read appends a block to the list being screened."""
 
     __slots__ = ("victim",)
+    victim: list[Any]
 
-    @property  # type: ignore[misc]
+    @property
     def is_null(self) -> bool:
         self.victim.append(_Slotted(0))
         return False
@@ -553,7 +555,7 @@ class _Appending(_Slotted):
 
 def test_blocks_appended_mid_screen_are_not_screened(screen: ModuleType) -> None:
     blocks: list[Any] = [_Slotted(1)]
-    appending = _Appending(1)
+    appending: Any = _Appending(1)
     appending.victim = blocks
     blocks.append(appending)
     assert screen.first_excess(blocks, POOL) == -1

@@ -145,8 +145,7 @@ def vllm_repr(obj: object) -> str | None:
     """
     cls = type(obj)
     if cls is not KVCacheBlock and (
-        _namespace(cls).get("__module__") != _VLLM_BLOCK_MODULE
-        or _qualname(cls) != "KVCacheBlock"
+        _namespace(cls).get("__module__") != _VLLM_BLOCK_MODULE or _qualname(cls) != "KVCacheBlock"
     ):
         return None
     parts = []

@@ -398,10 +398,8 @@ def _free(
         return original(pool, blocks, *args, **kwargs)
     method = made.name
     plan = _Plan(pool, blocks, line.has_pool_field, method)
-    policy = made.policy_of(pool)
-    if plan.dropped or plan.linked:
-        if policy == "raise":
-            _raise_double_free(pool, method, plan)
+    if (plan.dropped or plan.linked) and made.policy_of(pool) == "raise":
+        _raise_double_free(pool, method, plan)
     # Under their own "raise", other pools' blocks are screened before anything is freed
     # here: vLLM frees this pool's blocks first, then hands those over.
     if method == "free_blocks":
@@ -478,11 +476,14 @@ def _touch(
     if made.retired or not _binds(made, pool, blocks, args, kwargs):
         return original(pool, blocks, *args, **kwargs)
     own = line.has_pool_field
-    negative = []
-    for block in blocks[first:]:
-        if (not own or block.pool is pool) and not block.is_null:
-            if _count(pool, "touch", block) < 0:
-                negative.append(block)
+    # The fields in the screen's order; _count last, as the screen's ref_cnt read.
+    negative = [
+        block
+        for block in blocks[first:]
+        if (not own or block.pool is pool)
+        and not block.is_null
+        and _count(pool, "touch", block) < 0
+    ]
     if negative and made.policy_of(pool) == "raise":
         block = negative[0]
         raise ValueError(

@@ -3,8 +3,8 @@
 Callers free blocks more often than they hold them, across pools, by keyword, with counts
 that are no integers; blocks are taken without touch() or given negative counts behind the
 guard's back; a log filter raises or calls back into the pools; finalizers free blocks in
-the middle of guarded calls (compiled twin; between them for the pure one); another thread switches the guard between the twins' screens
-while this one calls.
+the middle of guarded calls (compiled twin; between them for the pure one); another thread
+switches the guard between the twins' screens while this one calls.
 
 What must hold whatever happens: no call crashes or hangs; every free list is well formed
 and counted right; no block is handed out while held; under ``raise`` a refused call

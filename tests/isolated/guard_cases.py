@@ -10,7 +10,8 @@ import support_path  # noqa: F401  (this program runs as a script)
 import faulthandler
 import importlib
 import logging
-
+from collections.abc import Callable
+from typing import Any
 
 from fake_pool import consistent, guarded, make_pool, screen_of
 
@@ -35,28 +36,36 @@ class _Borrower(bytearray):
 _Borrower.ref_cnt = _Lender.__dict__["ref_cnt"]  # type: ignore[attr-defined]
 
 
+def _raises(call: Callable[[], object], kind: type[Exception], text: str) -> None:
+    """That ``call`` raises ``kind`` saying ``text`` (no pytest in this process)."""
+    try:
+        call()
+    except kind as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"no {kind.__name__}: {text}")
+    if text not in message:
+        raise AssertionError(message)
+
+
 def borrowed_slot_descriptor(name: str) -> None:
     """The compiled screen read a borrowed descriptor's offset in another class's
     instances (a pointer into a bytearray's buffer, taken for an object): a crash."""
     mod = importlib.import_module(name)
-    block = _Borrower(b"not an object" * 4)
+    block: Any = _Borrower(b"not an object" * 4)
     block.is_null, block.prev_free_block, block.next_free_block = False, None, None
     screen = screen_of(mod)
     with guarded(mod, NEWEST) as cls:
         pool = make_pool(cls, mod, 4, "raise")
         block.pool = pool
-        for call in (
+        calls = (
             lambda: screen.first_excess([block], pool),
             lambda: screen.first_negative([block], pool),
             lambda: pool.free_blocks([block]),
             lambda: pool.touch([block]),
-        ):
-            try:
-                call()
-            except TypeError as exc:
-                assert "doesn't apply to a '_Borrower' object" in str(exc), exc
-            else:
-                raise AssertionError("a borrowed descriptor was read")
+        )
+        for call in calls:
+            _raises(call, TypeError, "doesn't apply to a '_Borrower' object")
 
 
 def _held_and_unremovable(name: str, corrupt: str) -> None:
@@ -73,12 +82,7 @@ def _held_and_unremovable(name: str, corrupt: str) -> None:
         else:
             held.prev_free_block = None
         before = pool.free_block_queue.num_free_blocks
-        try:
-            pool.get_new_blocks(3)
-        except RuntimeError as exc:
-            assert "the queue cannot unlink it" in str(exc), exc
-        else:
-            raise AssertionError("a held block the queue cannot unlink was handed out")
+        _raises(lambda: pool.get_new_blocks(3), RuntimeError, "the queue cannot unlink it")
         assert pool.free_block_queue.num_free_blocks == before
     faulthandler.cancel_dump_traceback_later()
 
@@ -130,4 +134,3 @@ CASES = (
     "held_block_with_a_cleared_link",
     "finalizer_frees_during_a_repair",
 )
-

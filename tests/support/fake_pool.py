@@ -139,7 +139,8 @@ def _free(of: Line) -> Callable[..., None]:
 def _unpin_blocks(self: Any, blocks: Any, on_reuse: Callable[[Any], None]) -> None:
     released = []
     for block in blocks:
-        assert block.ref_cnt > 0 and not block.is_null
+        assert block.ref_cnt > 0
+        assert not block.is_null
         block.ref_cnt -= 1
         self.on_reuse[block.block_id] = on_reuse
         if block.ref_cnt == 0:
@@ -165,7 +166,7 @@ def pool_class(
 
     home = module.__name__ if module is not None else __name__
     namespace = {"__init__": init, "__module__": home, "block": block}
-    cls = metaclass("BlockPool", (_Pool,), namespace)
+    cls: type = metaclass("BlockPool", (_Pool,), namespace)
     for name, function in methods.items():
         # A function of its own per class, named as vLLM's method is, in its module.
         own = type(function)(
@@ -225,5 +226,3 @@ def consistent(pool: Any) -> None:
     listed = {id(block) for block in free}
     held = [b for b in pool.blocks if not b.is_null and id(b) not in listed]
     assert all(block.ref_cnt > 0 for block in held), [(b.block_id, b.ref_cnt) for b in held]
-
-
