@@ -45,7 +45,7 @@ def machine_for(queue_mod: ModuleType) -> type[RuleBasedStateMachine]:
             self.mirror.call("append_n", [block, block], raises=ValueError, match="more than once")
 
         @invariant()
-        def matches_the_model(self) -> None:
+        def matches_the_oracle(self) -> None:
             self.mirror.check()
 
     return QueueMachine

@@ -3,11 +3,11 @@
 Every call's outcome (the block ids returned, or the exception raised) must be
 the same in the three, and every queue well formed and holding the oracle's
 blocks in its order after every call: on a valid state any difference is a
-wrong answer. The programs keep two queues per twin
-and move blocks between them, drop detached blocks and whole queues, hold lazy
-``iter_blocks_after`` cursors across all of it (a cursor follows a block into
-the other queue, where it ends on that queue's tail sentinel), and pass an
-``__index__`` and iterables that call the queue while they are being consumed.
+wrong answer. The programs keep two queues per twin and move blocks between
+them, drop detached blocks and whole queues, hold lazy ``iter_blocks_after``
+cursors across all of it (a cursor follows a block into the other queue, where
+it ends on that queue's tail sentinel), and pass an ``__index__`` and iterables
+that call the queue while they are being consumed.
 
 Usage: python fuzz_diff.py TWIN SEED OPS (TWIN is ignored: both twins run).
 """
@@ -151,7 +151,7 @@ class World:
 
 
 class Programs:
-    """The next operation, drawn from the state of the oracle's world."""
+    """A program's operations, drawn one at a time from the state of the oracle's world."""
 
     def __init__(self, rng: random.Random, world: World) -> None:
         self.rng = rng

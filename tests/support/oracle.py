@@ -67,6 +67,7 @@ class Oracle:
         return queue.blocks[at] if at < len(queue.blocks) else queue.fake_free_list_tail
 
     def adopt(self, queue: OracleQueue) -> None:
+        """Know ``queue``'s sentinels from now on: a built queue's, whose build linked."""
         for sentinel in (queue.fake_free_list_head, queue.fake_free_list_tail):
             self._sentinels[id(sentinel)] = queue
 
