@@ -203,6 +203,19 @@ def test_a_count_of_another_type(kind: str, count: Any) -> None:
     assert state(pool) == before
 
 
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_a_block_listed_as_often_as_it_is_held_is_queued_once(kind: str) -> None:
+    """0.23 releases every occurrence before it queues those at 0 (a block held twice and
+    listed twice would be queued twice); every line frees it once, and the queue is whole."""
+    pool = new_pool(kind, "raise")
+    first, second = pool.get_new_blocks(2)
+    pool.touch([first])
+    pool.free_blocks([first, second, first])
+    assert first.ref_cnt == second.ref_cnt == 0
+    assert pool.free_block_queue.repairs == dict.fromkeys(pool.free_block_queue.repairs, 0)
+    consistent(pool)
+
+
 # -- item 15: vLLM's own message, from vLLM's own repr -----------------------------------------
 
 
