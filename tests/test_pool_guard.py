@@ -88,6 +88,20 @@ def test_a_block_listed_as_often_as_it_is_held_is_queued_once(
         consistent(pool)
 
 
+def test_a_block_listed_more_often_than_it_is_held_is_queued_once(
+    queue_mod: ModuleType, each_line: Line, quiet: Any
+) -> None:
+    """Under repair the excess is dropped, and what is left takes the block to 0 once."""
+    for pool in _pool(queue_mod, each_line, "repair"):
+        (block,) = pool.get_new_blocks(1)
+        pool.touch([block])
+        pool.free_blocks([block, block, block])
+        assert block.ref_cnt == 0
+        assert _pool_guard.pool_repairs(pool)["double_free"] == 1
+        assert pool.free_block_queue.repairs == dict.fromkeys(pool.free_block_queue.repairs, 0)
+        consistent(pool)
+
+
 def test_blocks_without_a_pool_field_are_the_pools_own(queue_mod: ModuleType) -> None:
     """Before 0.30 a block has no ``pool``: the guard must not read one."""
     for of in LINES:

@@ -446,20 +446,20 @@ def _screen_other(owner: Any, group: list[Any]) -> None:
 def _once_each(plan: _Plan, kept: list[Any]) -> list[Any]:
     """``kept`` with each block that its occurrences take to 0 once, at its first place,
     its other references released here: vLLM 0.23 would queue it once per occurrence."""
-    seen: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for block in kept:
+        times[id(block)] = times.get(id(block), 0) + 1
     once: list[Any] = []
+    released: set[int] = set()
     for block in kept:
         key = id(block)
-        given = plan.given.get(key, 1)
-        if given < 2 or plan.refs.get(key) != given:
+        count = times[key]
+        if count < 2 or plan.refs.get(key) != count:
             once.append(block)
-        elif key not in seen:
-            seen[key] = given
+        elif key not in released:
+            released.add(key)
+            block.ref_cnt -= count - 1
             once.append(block)
-    for block in once:
-        extra = seen.get(id(block))
-        if extra is not None:
-            block.ref_cnt -= extra - 1
     return once
 
 
