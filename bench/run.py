@@ -27,6 +27,16 @@ from launch import Estimate, bootstrap_median, interval, short
 
 # Processes per case, samples per process, the reference's time per sample (ms).
 FULL, QUICK = (11, 9, 20.0), (3, 5, 2.0)
+# --lines: every vLLM line's queue and both twins in the same processes (FULL's), on these
+# cases only: the one-block cycles, a batch, a cache hit where code, not cache misses, bounds it.
+LINE_CASES = (
+    "popleft + append @100000",
+    "popleft_n(1) + append_n @100000",
+    "popleft_n(8) + append_n @100000",
+    "remove + append @2048",
+)
+# What they call: the lines whose queues define these alike share a label in the table.
+LINE_METHODS = ("popleft", "append", "popleft_n", "append_n", "remove")
 
 
 # -- one fresh process: one case, every contender
@@ -97,9 +107,9 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 # -- the parent
 
 
-def bench(quick: bool, baseline: str | None) -> dict[str, Any]:
+def bench(quick: bool, baseline: str | None, lines: bool = False) -> dict[str, Any]:
     processes, samples, sample_ms = QUICK if quick else FULL
-    wanted = contenders.QUICK if quick else contenders.ALL
+    wanted = contenders.EVERY_LINE if lines else contenders.QUICK if quick else contenders.ALL
     if baseline:
         try:
             baseline = contenders.resolve(baseline)
@@ -121,7 +131,11 @@ def bench(quick: bool, baseline: str | None) -> dict[str, Any]:
     reference = REFERENCE if REFERENCE in names else fallback
     if reference not in names:
         raise SystemExit(f"no reference: neither {REFERENCE} nor {fallback} loads")
-    selected = cases.all_cases(quick)
+    if lines:
+        every = {case.key: case for case in cases.all_cases()}
+        selected = [every[key] for key in LINE_CASES]
+    else:
+        selected = cases.all_cases(quick)
     rng = random.Random(0)
     jobs = []
     for round_ in range(processes):
@@ -138,9 +152,11 @@ def bench(quick: bool, baseline: str | None) -> dict[str, Any]:
     records = launch.run(measure, jobs)
     settings = {
         "reference": reference, "contenders": names, "skipped": skipped,
+        "releases": {n: v for n, v in contenders.VLLM_VERSIONS.items() if n in names},
+        "same_code": contenders.same_code(names, LINE_METHODS) if lines else {},
         "cases": [case.key for case in selected],
         "processes": processes, "samples": samples, "sample_ms": sample_ms,
-        "quick": quick, "baseline": baseline,
+        "quick": quick, "baseline": baseline, "lines": lines,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started, 1),
     }  # fmt: skip
@@ -269,6 +285,41 @@ def versus(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def lines_table(results: dict[str, Any]) -> str:
+    """One row per vLLM line: per case, the line against the reference, then each twin
+    against the line, all in the same processes."""
+    settings = results["settings"]
+    reference, same = settings["reference"], settings["same_code"]
+    grouped = by_case(results)
+    twins = [twin for twin in contenders.TWINS if twin in settings["contenders"]]
+    header = ["line", "release", "same code as"]
+    for records in grouped.values():
+        case = f"{records[0]['name']} @{records[0]['pool']:,}"
+        header += [f"{case}: line", *(f"`{twin}` / line" for twin in twins)]
+    out = [
+        f"Each vLLM line's queue and kvqueue's twins, in the same {settings['processes']} "
+        f"processes per case x {settings['samples']} samples (about {settings['sample_ms']:g} ms "
+        f"of `{reference}` a sample). Per case: the line's ratio of time to `{reference}` "
+        "[bootstrap 95% interval] · its median time per cycle, then each twin's ratio to the "
+        f"line. *Same code as*: the first line whose {', '.join(LINE_METHODS)} are the same "
+        "code (syntax tree).",
+        f"{short(results['machine'])}.",
+        "",
+        _row(header),
+        "|---|---|---|" + "---:|" * (len(header) - 3),
+    ]
+    for name, release in settings["releases"].items():
+        cells = [f"`{name}`", release, same[name]]
+        for records in grouped.values():
+            cells.append(_cell(records, name, reference))
+            cells += [interval(ratio(records, twin, name)) for twin in twins]
+        out.append(_row(cells))
+    skipped = settings["skipped"]
+    if skipped:
+        out.append("\nNot measured: " + "; ".join(f"`{n}` ({why})" for n, why in skipped.items()))
+    return "\n".join(out)
+
+
 # The chart: pinned vLLM, the twins (their baseline builds hollow), the deque.
 MARKERS = {PINNED: "s", "pure": "o", "cython": "D", "deque": "^"}
 TICKS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3)
@@ -320,10 +371,15 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
 
 def publish(results: dict[str, Any], path: Path) -> None:
+    settings = results["settings"]
+    if settings["lines"]:
+        print(lines_table(results))
+        print(f"\nraw samples: {path}", file=sys.stderr)
+        return
     print(table(results))
-    if results["settings"]["reference"] == REFERENCE:
+    if settings["reference"] == REFERENCE:
         print("\n" + targets(results))
-    if results["settings"]["baseline"]:
+    if settings["baseline"]:
         print("\n" + versus(results))
     print(f"\nraw samples: {path}", file=sys.stderr)
     try:
@@ -336,9 +392,15 @@ def publish(results: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = launch.parser(__doc__, "smoke test: small, no vLLM")
     parser.add_argument("--baseline", metavar="REV", help="also time the twins at git REV")
+    parser.add_argument(
+        "--lines", action="store_true", help="every vLLM line's queue vs the twins: one table"
+    )
     args = parser.parse_args()
-    results = bench(args.quick, args.baseline)
-    publish(results, launch.save(results, args.out, "quick" if args.quick else "full"))
+    if args.lines and (args.quick or args.baseline):
+        parser.error("--lines takes neither --quick nor --baseline")
+    results = bench(args.quick, args.baseline, args.lines)
+    kind = "lines" if args.lines else "quick" if args.quick else "full"
+    publish(results, launch.save(results, args.out, kind))
 
 
 if __name__ == "__main__":
