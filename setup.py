@@ -79,12 +79,14 @@ else:
         ext_modules=cythonize(
             [
                 Extension(
-                    "kvqueue._queue", ["src/kvqueue/_queue.pyx"], depends=["src/kvqueue/_slots.h"]
+                    "kvqueue._queue",
+                    ["src/kvqueue/_queue.pyx"],
+                    depends=["src/kvqueue/_slots.h", "src/kvqueue/_member.h"],
                 ),
                 Extension(
                     "kvqueue._screen",
                     ["src/kvqueue/_screen.pyx"],
-                    depends=["src/kvqueue/_screen.h"],
+                    depends=["src/kvqueue/_screen.h", "src/kvqueue/_member.h"],
                 ),
             ],
             compiler_directives={"language_level": "3"},

@@ -53,6 +53,7 @@ fuzz_runs() {  # $1: operations per program
     for twin in c py; do
         echo "isolated/fuzz_chaos.py $twin 0 $1"
         echo "isolated/fuzz_reentrant.py $twin 0 $1"
+        echo "isolated/fuzz_guard.py $twin 0 $1"
     done
     echo "isolated/fuzz_diff.py c 0 $1"
 }
@@ -92,7 +93,7 @@ if ((full)); then
 else
     vg "$PY" -m pytest -q -p no:cacheprovider -m c_extension \
         tests/test_invalid.py tests/test_policy.py::test_invalid_operation_under_each_policy \
-        tests/test_hostile.py tests/test_screen.py
+        tests/test_hostile.py tests/test_screen.py tests/test_pool_guard.py
 fi
 
 section "findings"

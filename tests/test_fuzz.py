@@ -26,6 +26,7 @@ OPS = {
     "fuzz_chaos": 2000,
     "fuzz_threads": 5000,
     "fuzz_race": 5000,
+    "fuzz_guard": 2000,
 }
 TIMEOUT = 1800 if LONG else 120
 
@@ -39,6 +40,8 @@ CASES = [
     pytest.param("fuzz_threads", "c", id="threads-c", marks=pytest.mark.c_extension),
     pytest.param("fuzz_threads", "py", id="threads-py"),
     pytest.param("fuzz_race", "c", id="race-c", marks=pytest.mark.c_extension),
+    pytest.param("fuzz_guard", "c", id="guard-c", marks=pytest.mark.c_extension),
+    pytest.param("fuzz_guard", "py", id="guard-py"),
 ]
 
 
@@ -71,3 +74,5 @@ def test_fuzz_program(program: str, twin: str, seed: int) -> None:
     assert stats["ops"] == ops
     if program == "fuzz_chaos":  # the repair paths ran, and their log
         assert stats["repairs_logged"] > 0
+    if program == "fuzz_guard":  # the guard repaired, refused, and met its adversaries
+        assert min(stats["repairs"], stats["refused"], stats["finalizers"]) > 0

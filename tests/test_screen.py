@@ -59,15 +59,25 @@ def screen(request: pytest.FixtureRequest) -> ModuleType:
 
 
 def oracle(blocks: list[Block]) -> int:
+    flags = 0
     for i, block in enumerate(blocks):
-        if block.is_null or block.pool is not POOL:
+        if block.pool is not POOL:
+            flags |= 1 if block.pool is not None else 0  # OTHER_POOLS
+            continue
+        if block.is_null:
             continue
         first = not any(b is block for b in blocks[:i])
         if first and block.prev_free_block is not None:
             return i
+        if not first:
+            flags |= 2  # REPEATS
         if sum(b is block for b in blocks[: i + 1]) > block.ref_cnt:
             return i
-    return -1
+    return -1 - flags
+
+
+def test_flags_are_the_twins_constants(screen: ModuleType) -> None:
+    assert (screen.OTHER_POOLS, screen.REPEATS) == (1, 2)
 
 
 @pytest.mark.parametrize("seed", range(100))
@@ -93,9 +103,10 @@ def test_first_excess_many_copies(screen: ModuleType) -> None:
     blocks = [block] * 20_000
     before = sys.getrefcount(block)
     assert screen.first_excess(blocks, POOL) == 5
-    assert screen.first_excess(blocks[:5], POOL) == -1
+    assert screen.first_excess(blocks[:5], POOL) == -1 - screen.REPEATS
     assert sys.getrefcount(block) == before
-    assert screen.first_excess([Block(10**30)] * 3, POOL) == -1
+    assert screen.first_excess([Block(10**30)] * 3, POOL) == -1 - screen.REPEATS
+    assert screen.first_excess([Block(1), Block(2)], POOL) == -1
 
 
 class Shrinking(Block):
@@ -144,7 +155,7 @@ def test_first_negative(screen: ModuleType) -> None:
     assert screen.first_negative([], POOL) == -1
     blocks = [Block(0), Block(-1, is_null=True), Block(-1, pool=None), Block(-2)]
     assert screen.first_negative(blocks, POOL) == 3
-    assert screen.first_negative((Block(1), Block(0)), POOL) == -1
+    assert screen.first_negative([Block(1), Block(0)], POOL) == -1
 
 
 def test_first_held_free(screen: ModuleType) -> None:

@@ -14,7 +14,7 @@ _ACCESS = ("__getattribute__", "__setattr__", "__delattr__", "__getattr__")
 # What a block's subclass must inherit untouched: the slots the compiled twin
 # reads by offset, and the attribute access the pure twin goes through.
 _LAYOUT = (*_LINKS, "pool", *_ACCESS)
-_MISSING: Any = object()
+MISSING: Any = object()
 # type's own descriptors, not attribute access on the class: a metaclass cannot
 # substitute a property for them, so these run no Python code.
 _mro = type.__dict__["__mro__"].__get__
@@ -182,12 +182,12 @@ def check_block_type(block_type: object) -> type:
 
 def lookup(cls: type, name: str) -> Any:
     """What ``cls.name`` resolves to, as C's ``_PyType_Lookup`` finds it: by the MRO,
-    running no descriptor, metaclass hook or other Python code. ``_MISSING`` if none."""
+    running no descriptor, metaclass hook or other Python code. ``MISSING`` if none."""
     for base in _mro(cls):
-        found = _namespace(base).get(name, _MISSING)
-        if found is not _MISSING:
+        found = _namespace(base).get(name, MISSING)
+        if found is not MISSING:
             return found
-    return _MISSING
+    return MISSING
 
 
 def layout_change(obj_type: type, block_type: type) -> str | None:

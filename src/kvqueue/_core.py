@@ -15,8 +15,8 @@ from operator import index
 from types import MemberDescriptorType, NoneType
 from typing import Any, TypeVar
 
-from . import _errors
-from ._block import check_block_type, is_block, is_subtype, layout_change, lookup
+from . import _block, _errors
+from ._block import KVCacheBlock, check_block_type, is_block, is_subtype, layout_change, lookup
 
 __all__ = (
     "as_sequence",
@@ -28,12 +28,21 @@ __all__ = (
     "link_misuse",
     "misuse",
     "not_a_block",
+    "vllm_repr",
 )
 
 T = TypeVar("T")
 
 _qualname = type.__dict__["__qualname__"].__get__
+_namespace = type.__dict__["__dict__"].__get__
 _BOUND = slice(0, 80)
+# Where vLLM defines its block class; the fields its __repr__ shows (every line has the
+# same __repr__ but 0.23, whose blocks lack _block_hash_num_tokens and so its field).
+_VLLM_BLOCK_MODULE = "vllm.v1.core.kv_cache_utils"
+_REPR_FIELDS = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens")
+_REPR_LINKS = ("prev_free_block", "next_free_block")
+# A hash longer than any vLLM makes is not printed whole.
+_HASH_BOUND = 1024
 
 
 def constructor_arguments(
@@ -128,6 +137,66 @@ def describe(obj: object) -> str:
     return f"{name} object at {id(obj):#x}"
 
 
+def vllm_repr(obj: object) -> str | None:
+    """What vLLM's ``KVCacheBlock.__repr__`` returns for ``obj``, a block of vLLM's own
+    class or of kvqueue's, built from the class's slots: the block's own ``__repr__``
+    (which reads the neighbours' ``block_id``) does not run. None for another class, or
+    for a field vLLM's repr would print through code of its own (bounded: ``describe``).
+    """
+    cls = type(obj)
+    if cls is not KVCacheBlock and (
+        _namespace(cls).get("__module__") != _VLLM_BLOCK_MODULE or _qualname(cls) != "KVCacheBlock"
+    ):
+        return None
+    parts = []
+    for name in _REPR_FIELDS:
+        slot = lookup(cls, name)
+        if slot is _block.MISSING and name == "_block_hash_num_tokens":
+            continue
+        shown = _shown(_slot_value(obj, cls, slot), name == "_block_hash")
+        if shown is None:
+            return None
+        parts.append(f"{name}={shown}")
+    for name in _REPR_LINKS:
+        link = _slot_value(obj, cls, lookup(cls, name))
+        if link is None:
+            parts.append(f"{name}=None")
+            continue
+        if link is _block.MISSING:
+            return None
+        # vLLM prints the neighbour's block_id; a neighbour of another class may run code.
+        link_cls = type(link)
+        if link_cls is not cls:
+            return None
+        shown = _shown(_slot_value(link, cls, lookup(cls, "block_id")), False)
+        if shown is None:
+            return None
+        parts.append(f"{name}={shown}")
+    return f"KVCacheBlock({', '.join(parts)})"
+
+
+def _slot_value(obj: object, cls: type, slot: Any) -> Any:
+    if type(slot) is not MemberDescriptorType:
+        return _block.MISSING
+    try:
+        return slot.__get__(obj, cls)
+    except (AttributeError, TypeError):
+        return _block.MISSING
+
+
+def _shown(value: Any, as_repr: bool) -> str | None:
+    """``value`` as vLLM's f-string shows it (``{}``, or ``{!r}`` for the hash), for the
+    types vLLM stores there; None for others."""
+    if value is None:
+        return "None"
+    cls = type(value)
+    if cls is int and -(10**30) < value < 10**30:
+        return int.__repr__(value)
+    if as_repr and cls is bytes and len(value) <= _HASH_BOUND:
+        return bytes.__repr__(value)
+    return None
+
+
 def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
     why = ""
     if is_subtype(type(obj), block_type):
@@ -157,8 +226,11 @@ def link_misuse(
 
 
 def misuse(method: str, kind: str, block: object) -> Exception:
-    """What a misuse of ``kind`` raises under ``"raise"``."""
-    return _errors.misuse(method, kind, describe(block))
+    """What a misuse of ``kind`` raises under ``"raise"``. The one vLLM raises too,
+    ``remove()`` of a block that is not linked, names a block of vLLM's class or
+    kvqueue's as vLLM does."""
+    described = (vllm_repr(block) if kind == "not_linked" else None) or describe(block)
+    return _errors.misuse(method, kind, described)
 
 
 def _name(cls: type) -> str:

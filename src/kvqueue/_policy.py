@@ -9,13 +9,14 @@ repair on the queue and logs it on the ``kvqueue`` logger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Literal
 
 from . import _core, _env
 
-__all__ = ("ENV", "KINDS", "MisusePolicy", "admit", "report", "resolve", "unlogged_note")
+__all__ = ("ENV", "KINDS", "MisusePolicy", "admit", "report", "resolve", "unlogged_note", "warn")
 
 MisusePolicy = Literal["raise", "repair"]
 
@@ -81,12 +82,20 @@ def unlogged_note(unlogged: int) -> str:
     return f" ({unlogged} earlier repairs were not logged)" if unlogged else ""
 
 
+def warn(message: str, *args: object) -> None:
+    """``logger.warning(message, *args)``, never raising: a repair is logged after it is
+    made, and a handler or filter that raises must not make the repaired call look
+    failed (its caller would retry or give up a call that succeeded)."""
+    with contextlib.suppress(Exception):
+        logger.warning(message, *args)
+
+
 def report(method: str, block: object, kind: str, count: int) -> None:
     """Log one repair (rate-limited): ``count`` is the queue's total of ``kind``."""
     unlogged = admit()
     if unlogged is None:
         return
-    logger.warning(
+    warn(
         "%s() repaired a misuse (%s #%d on this queue): skipped %s: %s%s",
         method,
         kind,

@@ -15,24 +15,36 @@ method, so the guard follows whatever the installed vLLM does:
 
 The pool's misuse policy is its queue's (``on_misuse``), else the policy given to
 ``install()``. ``"raise"``: ValueError naming the block, the pool and the call, before
-anything changes. ``"repair"``: the excess occurrences are dropped (a negative count
-is taken as 0, a held block is unlinked rather than handed out), the rest is done by
-vLLM's own method, and the repair is counted per pool and logged on the queue's
-logger under the queue's rate limit. Only a pool's own blocks are checked: null
-blocks, another pool's blocks (``free_blocks`` routes them to their pool, whose guard
-checks them) and blocks of no pool keep vLLM's handling.
+anything changes in any pool. ``"repair"``: the excess occurrences are dropped (a
+negative count is taken as 0, a held block is unlinked rather than handed out), the
+rest is done by vLLM's own method, and the repair is counted per pool and logged on
+the queue's logger under the queue's rate limit. A ``ref_cnt`` that is not an integer
+is a TypeError under either policy, before anything changes. Only a pool's own blocks
+are counted here: null blocks, another pool's blocks (``free_blocks`` routes them to
+their pool, whose guard repairs them; under that pool's ``"raise"`` they are screened
+up front) and blocks of no pool keep vLLM's handling.
+
+Each guard follows its vLLM line (``kvqueue._vllm_lines.Line``): the parameters of the
+method it wraps, whether blocks name their pool (0.30+), and whether ``free_blocks``
+decrements every occurrence before it queues any (0.23, which would queue a block listed
+twice twice: the guard passes it once, its other references released here).
+
+kvqueue's guards are known by identity (a registry of the functions made here), never by
+an attribute, which ``functools.wraps`` would copy onto anyone's wrapper.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import weakref
 from collections.abc import Callable
-from types import ModuleType
+from operator import index
+from types import FunctionType, MemberDescriptorType, ModuleType
 from typing import Any
 
-from . import _policy
+from . import _block, _core, _errors, _policy
 
 __all__ = ("GUARDED", "KINDS", "ForeignPatch", "guard", "originals", "pool_repairs", "unguard")
 
@@ -51,6 +63,9 @@ PolicyOf = Callable[[Any], _policy.MisusePolicy]
 # Per pool, weakly: a pool's counters go with it.
 _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 
+_MISSING: Any = object()
+_namespace = type.__dict__["__dict__"].__get__
+
 
 class ForeignPatch(Exception):
     """A guarded method is not vLLM's own: another project replaced it."""
@@ -59,6 +74,65 @@ class ForeignPatch(Exception):
         module = getattr(found, "__module__", None) or "an unknown module"
         name = getattr(found, "__qualname__", None) or type(found).__qualname__
         super().__init__(f"{attribute} is not vLLM's own: {module} replaced it with {name}")
+
+
+class _Guard:
+    """One guard kvqueue made: what it wraps, and how it screens."""
+
+    __slots__ = (
+        "__weakref__",
+        "name",
+        "original",
+        "owner",
+        "policy_of",
+        "retired",
+        "screen",
+        "signature",
+    )
+
+    def __init__(
+        self,
+        owner: type,
+        name: str,
+        original: Callable[..., Any],
+        screen: ModuleType,
+        policy_of: PolicyOf,
+    ) -> None:
+        self.owner = weakref.ref(owner)
+        self.name = name
+        self.original = original
+        self.screen = screen
+        self.policy_of = policy_of
+        # A guard that a later patch wraps cannot be taken out from under it: retired
+        # (unguard(), or a new guard over that patch), it does what vLLM's method does.
+        self.retired = False
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(original)
+        except (TypeError, ValueError):
+            self.signature = None  # a foreign callable without one: its own errors show
+
+
+# The guards made here, by the id of their function. The entry holds the function
+# weakly: it goes when the function does.
+_made: dict[int, tuple[weakref.ref[Callable[..., Any]], _Guard]] = {}
+
+
+def _ours(found: object) -> _Guard | None:
+    """The guard ``found`` is, if kvqueue made it (by identity)."""
+    entry = _made.get(id(found))
+    if entry is None or entry[0]() is not found:
+        return None
+    return entry[1]
+
+
+def _register(function: Callable[..., Any], made: _Guard) -> None:
+    key = id(function)
+
+    def forget(ref: weakref.ref[Callable[..., Any]]) -> None:
+        if _made.get(key, (None,))[0] is ref:
+            del _made[key]
+
+    _made[key] = (weakref.ref(function, forget), made)
 
 
 def pool_repairs(pool: object) -> dict[str, int]:
@@ -73,96 +147,180 @@ def originals(pool_class: type, *, wrap_foreign: bool) -> dict[str, Any]:
     ``wrap_foreign``: then the guard wraps what is there.
     """
     found_methods: dict[str, Any] = {}
+    namespace = _namespace(pool_class)
     for name in GUARDED:
-        found = pool_class.__dict__.get(name)
+        found = namespace.get(name)
         if found is None:
             continue
-        own = f"{pool_class.__qualname__}.{name}"
-        if getattr(found, "__kvqueue_guard__", False):
-            found = found.__wrapped__
-        elif not wrap_foreign and (
-            getattr(found, "__module__", None) != pool_class.__module__
-            or getattr(found, "__qualname__", None) != own
-        ):
+        made = _ours(found)
+        if made is not None:
+            found = made.original
+        elif not wrap_foreign and not _defined_in(found, pool_class, name):
+            own = f"{pool_class.__qualname__}.{name}"
             raise ForeignPatch(f"{pool_class.__module__}.{own}", found)
         found_methods[name] = found
     return found_methods
 
 
+def _defined_in(found: object, pool_class: type, name: str) -> bool:
+    """Whether ``found`` is a function defined with ``pool_class`` in its module: its
+    globals are that module's (``functools.wraps`` copies a name, not the globals)."""
+    module = sys.modules.get(pool_class.__module__)
+    return (
+        type(found) is FunctionType
+        and module is not None
+        and found.__globals__ is vars(module)
+        and found.__qualname__ == f"{pool_class.__qualname__}.{name}"
+    )
+
+
 def guard(
-    pool_class: type, screen: ModuleType, policy_of: PolicyOf, *, wrap_foreign: bool, line: Any
+    pool_class: type,
+    screen: ModuleType,
+    policy_of: PolicyOf,
+    *,
+    wrap_foreign: bool,
+    line: Any,
 ) -> dict[str, Any]:
-    """Replace each guarded method ``pool_class`` has with its guard; return the originals.
-    Raises as :func:`originals` does, before it changes anything."""
+    """Replace each guarded method ``pool_class`` has with its guard for vLLM ``line``
+    (a ``kvqueue._vllm_lines.Line``); return the originals.
+
+    A method that is kvqueue's guard already is replaced by the new guard in one
+    assignment (no call between finds the method unguarded); one that another project
+    patched over kvqueue's guard (``wrap_foreign``) is wrapped, and the guard beneath it
+    retired, so that no call is screened twice. Raises as :func:`originals` does, before
+    it changes anything.
+    """
     replaced = originals(pool_class, wrap_foreign=wrap_foreign)
+    namespace = _namespace(pool_class)
+    made = {}
     for name, original in replaced.items():
-        setattr(pool_class, name, _WRAPPERS[name](original, screen, policy_of))
+        made[name] = _WRAPPERS[name](_Guard(pool_class, name, original, screen, policy_of), line)
+    for name, function in made.items():
+        under = _ours(namespace.get(name)) is None
+        setattr(pool_class, name, function)
+        if under:
+            _retire(pool_class, name, keep=function)
     return replaced
 
 
 def unguard(pool_class: type, originals: dict[str, Any]) -> None:
-    """Put back every original whose guard is still in place (a later patch is left)."""
+    """Put back every original whose guard is still in place. A guard that a later patch
+    wraps is left under it, retired: that patch then calls vLLM's method unguarded."""
+    namespace = _namespace(pool_class)
     for name, original in originals.items():
-        if getattr(pool_class.__dict__.get(name), "__wrapped__", None) is original:
+        made = _ours(namespace.get(name))
+        if made is not None and made.original is original:
             setattr(pool_class, name, original)
+        _retire(pool_class, name)
 
 
-def _mark(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
-    functools.update_wrapper(wrapper, original)
-    wrapper.__kvqueue_guard__ = True  # type: ignore[attr-defined]
-    return wrapper
+def _retire(pool_class: type, name: str, keep: object = None) -> None:
+    for ref, made in list(_made.values()):
+        if made.owner() is pool_class and made.name == name and ref() is not keep:
+            made.retired = True
 
 
-def _free_guard(original: Callable[..., Any], screen: ModuleType, policy_of: PolicyOf) -> Any:
-    first_excess = screen.first_excess
-    method = original.__name__
+def _wrapped(made: _Guard, line: Any, guarded: Callable[..., Any]) -> Callable[..., Any]:
+    functools.update_wrapper(guarded, made.original)
+    _register(guarded, made)
+    return guarded
 
-    def guarded(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _parameter(line: Any, name: str) -> str:
+    """The name of the first parameter after ``self`` of ``name`` on ``line``."""
+    return str(line.pool_methods[name][0])
+
+
+def _binds(made: _Guard, pool: Any, first: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
+    """Whether vLLM's method accepts these arguments (else it raises, before it does
+    anything, and the guard lets it: a repair is made for a call that runs)."""
+    if made.signature is None:
+        return True
+    try:
+        made.signature.bind(pool, first, *args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
+    original = made.original
+    first_excess = made.screen.first_excess
+    own = line.has_pool_field
+    parameter = _parameter(line, made.name)
+
+    def guarded(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if blocks is _MISSING:
+            blocks = kwargs.pop(parameter, _MISSING)
+            if blocks is _MISSING:
+                return original(self, *args, **kwargs)
+        elif kwargs and parameter in kwargs:
+            return original(self, blocks, *args, **kwargs)
         # vLLM iterates its argument once; a list made here is what it iterates,
         # so what was screened is what is freed.
         blocks = list(blocks)
-        if first_excess(blocks, self) < 0:
+        found = first_excess(blocks, self if own else None)
+        if found == -1:
             return original(self, blocks, *args, **kwargs)
-        notes: list[_Note] = []
-        blocks = _excess(self, blocks, method, policy_of(self), notes)
-        return _then_log(notes, original, self, blocks, *args, **kwargs)
+        return _free(made, line, self, blocks, args, kwargs)
 
-    return _mark(original, guarded)
+    return _wrapped(made, line, guarded)
 
 
-def _touch_guard(original: Callable[..., Any], screen: ModuleType, policy_of: PolicyOf) -> Any:
-    first_negative = screen.first_negative
+def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
+    original = made.original
+    first_negative = made.screen.first_negative
+    own = line.has_pool_field
+    parameter = _parameter(line, made.name)
 
-    def touch(self: Any, blocks: Any, *args: Any, **kwargs: Any) -> Any:
+    def touch(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if blocks is _MISSING:
+            blocks = kwargs.pop(parameter, _MISSING)
+            if blocks is _MISSING:
+                return original(self, *args, **kwargs)
+        elif kwargs and parameter in kwargs:
+            return original(self, blocks, *args, **kwargs)
         blocks = list(blocks)
-        i = first_negative(blocks, self)
+        i = first_negative(blocks, self if own else None)
         if i < 0:
             return original(self, blocks, *args, **kwargs)
-        notes: list[_Note] = []
-        _negative(self, blocks, i, policy_of(self), notes)
-        return _then_log(notes, original, self, blocks, *args, **kwargs)
+        return _touch(made, line, self, blocks, i, args, kwargs)
 
-    return _mark(original, touch)
+    return _wrapped(made, line, touch)
 
 
-def _alloc_guard(original: Callable[..., Any], screen: ModuleType, policy_of: PolicyOf) -> Any:
-    first_held_free = screen.first_held_free
+def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
+    original = made.original
+    first_held_free = made.screen.first_held_free
+    parameter = _parameter(line, made.name)
 
-    def get_new_blocks(self: Any, num_blocks: Any, *args: Any, **kwargs: Any) -> Any:
+    def get_new_blocks(self: Any, num_blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if num_blocks is _MISSING:
+            num_blocks = kwargs.pop(parameter, _MISSING)
+            if num_blocks is _MISSING:
+                return original(self, *args, **kwargs)
+        elif kwargs and parameter in kwargs:
+            return original(self, num_blocks, *args, **kwargs)
+        if type(num_blocks) is not int:
+            # What vLLM's queue takes as a count (a bool, an int subclass, an __index__)
+            # is screened by its value, and that value is what vLLM is given.
+            try:
+                num_blocks = index(num_blocks)
+            except TypeError:
+                return original(self, num_blocks, *args, **kwargs)
         queue = self.free_block_queue
-        # Asked for more than is free, or for no int: vLLM's own error, from vLLM.
-        if type(num_blocks) is int and 0 < num_blocks <= queue.num_free_blocks:
+        # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
+        if 0 < num_blocks <= queue.num_free_blocks:
             block = first_held_free(queue.fake_free_list_head, num_blocks)
             if block is not None:
-                notes: list[_Note] = []
-                _held_free(self, num_blocks, block, first_held_free, policy_of(self), notes)
-                return _then_log(notes, original, self, num_blocks, *args, **kwargs)
+                return _alloc(made, self, num_blocks, args, kwargs)
         return original(self, num_blocks, *args, **kwargs)
 
-    return _mark(original, get_new_blocks)
+    return _wrapped(made, line, get_new_blocks)
 
 
-_WRAPPERS: dict[str, Callable[..., Any]] = {
+_WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
     "free_blocks": _free_guard,
     "unpin_blocks": _free_guard,
     "touch": _touch_guard,
@@ -170,93 +328,237 @@ _WRAPPERS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _excess(
+class _Plan:
+    """What a free of ``blocks`` on ``pool`` would do, read once (nothing changed)."""
+
+    __slots__ = ("dropped", "given", "in_list", "kept", "linked", "others", "refs")
+
+    def __init__(self, pool: Any, blocks: list[Any], own: bool, method: str) -> None:
+        self.kept: list[Any] = []
+        self.dropped: list[Any] = []
+        # Held blocks found linked in the free list (a reference taken without touch()).
+        self.linked: list[Any] = []
+        # Other pools' blocks, by pool, in the order vLLM hands them over.
+        self.others: dict[int, tuple[Any, list[Any]]] = {}
+        self.given: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.in_list: set[int] = set()
+        left: dict[int, int] = {}
+        # The fields in the screens' order, so that a block's code runs as it did there.
+        for block in blocks:
+            if own:
+                owner = block.pool
+                if owner is not pool:
+                    if owner is not None:
+                        self.others.setdefault(id(owner), (owner, []))[1].append(block)
+                    self.kept.append(block)
+                    continue
+            if block.is_null:
+                self.kept.append(block)
+                continue
+            key = id(block)
+            if key not in left:
+                linked = block.prev_free_block is not None
+                refs = _count(pool, method, block)
+                left[key] = self.refs[key] = refs
+                if linked:
+                    self.in_list.add(key)
+                    if refs > 0:
+                        self.linked.append(block)
+                    else:
+                        left[key] = 0  # free already: every occurrence is one too many
+            self.given[key] = self.given.get(key, 0) + 1
+            (self.kept if left[key] > 0 else self.dropped).append(block)
+            left[key] -= 1
+
+
+def _count(pool: Any, method: str, block: Any) -> int:
+    """``block.ref_cnt`` as an int; TypeError (bad input, under any policy) if it is not."""
+    value = block.ref_cnt
+    if type(value) is int:
+        return value
+    if _block.is_subtype(type(value), int):
+        return int.__index__(value)
+    raise TypeError(
+        f"{_call(method)} was given block {_named(block)} whose ref_cnt is "
+        f"{_core.describe(value)}, not an integer; nothing was changed. {_where(pool)}"
+    )
+
+
+def _free(
+    made: _Guard,
+    line: Any,
     pool: Any,
     blocks: list[Any],
-    method: str,
-    policy: str,
-    notes: list[_Note],
-) -> list[Any]:
-    """``blocks`` less the occurrences that release a reference the block does not hold.
-
-    A block linked in the free list while it holds references (one was taken without
-    ``touch()``) is unlinked under repair, so that vLLM's free links it once.
-    """
-    kept: list[Any] = []
-    dropped: list[Any] = []
-    linked: list[Any] = []
-    given: dict[int, int] = {}
-    left: dict[int, int] = {}
-    for block in blocks:
-        if block.pool is not pool or block.is_null:
-            kept.append(block)
-            continue
-        key = id(block)
-        if key not in left:
-            left[key] = block.ref_cnt
-            if block.prev_free_block is not None and block.ref_cnt > 0:
-                linked.append(block)
-        given[key] = given.get(key, 0) + 1
-        (kept if left[key] > 0 else dropped).append(block)
-        left[key] -= 1
-    if policy == "raise":
-        block = (dropped + linked)[0]
-        if dropped:
-            what = f"while it holds {block.ref_cnt} reference(s)"
-        else:
-            what = f"which is in the free list already (ref_cnt {block.ref_cnt})"
-        raise ValueError(
-            f"{_call(method)} was given block {block.block_id} {given[id(block)]} time(s) "
-            f"{what}: a double free; nothing was freed. {_where(pool)}"
-        )
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    original = made.original
+    if made.retired or not _binds(made, pool, blocks, args, kwargs):
+        return original(pool, blocks, *args, **kwargs)
+    method = made.name
+    plan = _Plan(pool, blocks, line.has_pool_field, method)
+    if (plan.dropped or plan.linked) and made.policy_of(pool) == "raise":
+        _raise_double_free(pool, method, plan)
+    # Under their own "raise", other pools' blocks are screened before anything is freed
+    # here: vLLM frees this pool's blocks first, then hands those over.
+    if method == "free_blocks":
+        for owner, group in plan.others.values():
+            _screen_other(owner, group)
+    notes: list[_Note] = []
     queue = pool.free_block_queue
-    for block in linked:
+    for block in plan.linked:
         queue.remove(block)
         _repaired(pool, method, block, "held_free", notes)
-    for block in dropped:
+    for block in plan.dropped:
         _repaired(pool, method, block, "double_free", notes)
-    return kept
+    kept = plan.kept
+    if line.counts_first and method == "free_blocks":
+        kept = _once_each(plan, kept)
+    return _then_log(notes, original, pool, kept, *args, **kwargs)
 
 
-def _negative(pool: Any, blocks: list[Any], first: int, policy: str, notes: list[_Note]) -> None:
-    if policy == "raise":
-        block = blocks[first]
-        raise ValueError(
-            f"{_call('touch')} was given block {block.block_id} whose ref_cnt is "
-            f"{block.ref_cnt}: it was freed more times than it was referenced (a double "
-            f"free), and a touch would count it free and held at once; nothing was "
-            f"touched. {_where(pool)}"
-        )
-    for block in blocks[first:]:
-        if block.pool is pool and not block.is_null and block.ref_cnt < 0:
-            block.ref_cnt = 0
-            _repaired(pool, "touch", block, "negative_ref", notes)
+def _raise_double_free(pool: Any, method: str, plan: _Plan) -> None:
+    block = (plan.dropped + plan.linked)[0]
+    key = id(block)
+    refs = _errors.number(plan.refs[key])
+    if key in plan.in_list:
+        what = f"which is in the free list already (ref_cnt {refs})"
+    else:
+        what = f"while it holds {refs} reference(s)"
+    raise ValueError(
+        f"{_call(method)} was given block {_named(block)} {plan.given[key]} time(s) "
+        f"{what}: a double free; nothing was freed. {_where(pool)}"
+    )
 
 
-def _held_free(
+def _screen_other(owner: Any, group: list[Any]) -> None:
+    """Raise now what ``owner``'s guard would raise when vLLM hands it ``group``."""
+    made = _ours(_block.lookup(type(owner), "free_blocks"))
+    if made is None or made.retired or made.policy_of(owner) != "raise":
+        return
+    if made.screen.first_excess(group, owner) >= 0:
+        plan = _Plan(owner, group, True, "free_blocks")
+        if plan.dropped or plan.linked:
+            _raise_double_free(owner, "free_blocks", plan)
+
+
+def _once_each(plan: _Plan, kept: list[Any]) -> list[Any]:
+    """``kept`` with each block that its occurrences take to 0 once, at its first place,
+    its other references released here: vLLM 0.23 would queue it once per occurrence."""
+    times: dict[int, int] = {}
+    for block in kept:
+        times[id(block)] = times.get(id(block), 0) + 1
+    once: list[Any] = []
+    released: set[int] = set()
+    for block in kept:
+        key = id(block)
+        count = times[key]
+        if count < 2 or plan.refs.get(key) != count:
+            once.append(block)
+        elif key not in released:
+            released.add(key)
+            block.ref_cnt -= count - 1
+            once.append(block)
+    return once
+
+
+def _touch(
+    made: _Guard,
+    line: Any,
     pool: Any,
-    num_blocks: int,
-    block: Any,
-    first_held_free: Callable[[Any, int], Any],
-    policy: str,
-    notes: list[_Note],
-) -> None:
-    if policy == "raise":
+    blocks: list[Any],
+    first: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    original = made.original
+    if made.retired or not _binds(made, pool, blocks, args, kwargs):
+        return original(pool, blocks, *args, **kwargs)
+    own = line.has_pool_field
+    # The fields in the screen's order; _count last, as the screen's ref_cnt read.
+    negative = [
+        block
+        for block in blocks[first:]
+        if (not own or block.pool is pool)
+        and not block.is_null
+        and _count(pool, "touch", block) < 0
+    ]
+    if negative and made.policy_of(pool) == "raise":
+        block = negative[0]
         raise ValueError(
-            f"{_call('get_new_blocks')} would hand out block {block.block_id}, which is in "
-            f"the free list with ref_cnt {block.ref_cnt} (0 for a free block): a double free "
-            f"made it both free and held; nothing was allocated. {_where(pool)}"
+            f"{_call('touch')} was given block {_named(block)} whose ref_cnt is "
+            f"{_errors.number(_count(pool, 'touch', block))}: it was freed more times than "
+            f"it was referenced (a double free), and a touch would count it free and held "
+            f"at once; nothing was touched. {_where(pool)}"
         )
+    notes: list[_Note] = []
+    for block in negative:
+        block.ref_cnt = 0
+        _repaired(pool, "touch", block, "negative_ref", notes)
+    return _then_log(notes, original, pool, blocks, *args, **kwargs)
+
+
+def _alloc(
+    made: _Guard, pool: Any, num_blocks: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``get_new_blocks`` when a block among the first ``num_blocks`` free ones has a
+    ``ref_cnt`` that is not 0: one walk along the free list, O(num_blocks + repairs), or
+    O(free blocks) once when one is held."""
+    original = made.original
+    if made.retired or not _binds(made, pool, num_blocks, args, kwargs):
+        return original(pool, num_blocks, *args, **kwargs)
     queue = pool.free_block_queue
-    while block is not None:
-        if block.ref_cnt > 0:
-            queue.remove(block)
-            _repaired(pool, "get_new_blocks", block, "held_free", notes)
-        else:
+    head = queue.fake_free_list_head
+    tail = queue.fake_free_list_tail
+    # First every count read, nothing changed: a count that is no int is refused whole.
+    bad: list[tuple[Any, int]] = []
+    block = head.next_free_block
+    taken = 0
+    held = False
+    # At most one step per free block: a cycle of held blocks cannot hold the walk. Once a
+    # held block is found (a count the scheduler read was wrong), the walk goes on to the
+    # end of the list, so that every count read after this call is true.
+    steps = queue.num_free_blocks
+    while (taken < num_blocks or held) and steps > 0 and block is not None and block is not tail:
+        steps -= 1
+        refs = _count(pool, "get_new_blocks", block)
+        if refs > 0:
+            bad.append((block, refs))
+            held = True
+        elif taken < num_blocks:
+            taken += 1
+            if refs < 0:
+                bad.append((block, refs))
+        block = block.next_free_block
+    if not bad:  # code a block ran during the walk took the misuse away
+        return original(pool, num_blocks, *args, **kwargs)
+    if made.policy_of(pool) == "raise":
+        block, refs = bad[0]
+        raise ValueError(
+            f"{_call('get_new_blocks')} would hand out block {_named(block)}, which "
+            f"is in the free list with ref_cnt {_errors.number(refs)} (0 for a free block): a "
+            f"double free made it both free and held; nothing was allocated. {_where(pool)}"
+        )
+    notes: list[_Note] = []
+    for block, refs in bad:
+        if refs < 0:
             block.ref_cnt = 0
             _repaired(pool, "get_new_blocks", block, "negative_ref", notes)
-        num_blocks = min(num_blocks, queue.num_free_blocks)
-        block = first_held_free(queue.fake_free_list_head, num_blocks)
+            continue
+        queue.remove(block)
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            # The queue would not take it out (its pool or links were reassigned while it
+            # was linked): handed out, it would have two holders.
+            _log(notes)
+            raise RuntimeError(
+                f"{_call('get_new_blocks')}: held block {_named(block)} (ref_cnt "
+                f"{_errors.number(refs)}) is in the free list, and the queue cannot unlink "
+                f"it: were its pool or links assigned outside the queue? Nothing was "
+                f"allocated. {_where(pool)}"
+            )
+        _repaired(pool, "get_new_blocks", block, "held_free", notes)
+    return _then_log(notes, original, pool, num_blocks, *args, **kwargs)
 
 
 # A repair to log: (message arguments). Logged once vLLM's method has run, so that
@@ -269,7 +571,7 @@ def _repaired(pool: Any, method: str, block: Any, kind: str, notes: list[_Note])
     if counts is None:
         counts = _repairs[pool] = dict.fromkeys(KINDS, 0)
     counts[kind] += 1
-    notes.append((_call(method), kind, counts[kind], block.block_id, KINDS[kind], _where(pool)))
+    notes.append((_call(method), kind, counts[kind], _named(block), KINDS[kind], pool))
 
 
 def _then_log(notes: list[_Note], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -281,14 +583,30 @@ def _then_log(notes: list[_Note], original: Callable[..., Any], *args: Any, **kw
 
 
 def _log(notes: list[_Note]) -> None:
-    for note in notes:
+    for *note, pool in notes:
         unlogged = _policy.admit()
         if unlogged is not None:
-            _policy.logger.warning(
+            _policy.warn(
                 "%s repaired a double free (%s #%d on this pool): block %s: %s. %s%s",
                 *note,
+                _where(pool),
                 _policy.unlogged_note(unlogged),
             )
+
+
+def _named(block: Any) -> str:
+    """A block for a message: its ``block_id`` from its slot, else as ``describe`` has it;
+    no code of the block's runs."""
+    cls = type(block)
+    slot = _block.lookup(cls, "block_id")
+    if type(slot) is MemberDescriptorType:
+        try:
+            block_id = slot.__get__(block, cls)
+        except (AttributeError, TypeError):
+            block_id = None
+        if type(block_id) is int:
+            return _errors.number(block_id)
+    return _core.describe(block)
 
 
 def _call(method: str) -> str:

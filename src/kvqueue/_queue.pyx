@@ -77,7 +77,7 @@ from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_CLEAR, Py_INCREF, Py_XDECREF
 from cpython.number cimport PyNumber_Index
-from cpython.type cimport PyType_Check, PyType_IsSubtype
+from cpython.type cimport PyType_Check
 
 from types import GenericAlias
 
@@ -85,7 +85,7 @@ from kvqueue import _core, _errors, _policy
 from kvqueue._block import KVCacheBlock, check_block_type, lookup
 
 cdef extern from "_slots.h":
-    Py_ssize_t kvq_slot_offset(object d)
+    Py_ssize_t kv_member_offset(PyTypeObject *tp, object name, int writable)
     PyObject *kvq_get(PyObject *o, Py_ssize_t off)
     void kvq_set(PyObject *o, Py_ssize_t off, PyObject *v)
     object kvq_swap(PyObject *o, Py_ssize_t off, PyObject *v)
@@ -117,13 +117,12 @@ cdef inline object _as_sequence(object blocks, str method):
 
 
 cdef Py_ssize_t _slot_offset(object block_type, str name) except -1:
-    descr = lookup(block_type, name)
-    cdef Py_ssize_t offset = kvq_slot_offset(descr)
-    # By the MRO, not issubclass(): a metaclass's __subclasscheck__ could
-    # otherwise pass off another class's slot, past the end of our blocks.
-    if offset < 0 or not (
-        PyType_Check(block_type) and PyType_IsSubtype(block_type, descr.__objclass__)
-    ):
+    # By the MRO in C, as the pool guard's screens look slots up: a metaclass can lend
+    # another class's slot, whose offset points past the end of our blocks.
+    cdef Py_ssize_t offset = -1
+    if PyType_Check(block_type):
+        offset = kv_member_offset(<PyTypeObject *>block_type, name, 1)
+    if offset < 0:
         raise TypeError(f"{block_type.__qualname__}.{name} is not a writable object slot")
     return offset
 

@@ -6,37 +6,35 @@
 #ifndef KVQUEUE_SCREEN_H
 #define KVQUEUE_SCREEN_H
 
-#include "structmember.h"
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
+#include "_member.h"
 
 /* The byte offset of instances of `tp` at which attribute `name` is stored, when an
    instance's read of `name` is exactly that slot's: `tp` is a plain class (metaclass
    `type`, generic attribute access, so no __getattr__ / __getattribute__) and `name`
-   resolves to an object-slot member descriptor inside the instance. Else -1. */
+   resolves to an object-slot member of `tp` or a base (kv_member_offset). Else -1. */
 static Py_ssize_t kvs_slot(PyTypeObject *tp, PyObject *name)
 {
-    PyObject *d;
-    Py_ssize_t off = -1;
     if (Py_TYPE(tp) != &PyType_Type || tp->tp_getattro != PyObject_GenericGetAttr)
         return -1;
-    d = PyObject_GetAttr((PyObject *)tp, name);
-    if (d == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    if (Py_TYPE(d) == &PyMemberDescr_Type) {
-        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-        if (m->type == Py_T_OBJECT_EX && m->offset >= (Py_ssize_t)sizeof(PyObject)
-            && m->offset + (Py_ssize_t)sizeof(PyObject *) <= tp->tp_basicsize)
-            off = m->offset;
-    }
-    Py_DECREF(d);
-    return off;
+    return kv_member_offset(tp, name, 0);
 }
 
 /* The slot's value, borrowed; NULL when it was never set or was deleted. */
 #define KVS_SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+/* A ref_cnt as the screens compare it: 1 and its value in *out (clamped to Py_ssize_t)
+   for an int or an int subclass, read as int (no __index__ or other code of its own
+   runs); 0 for anything else, which the guard refuses. */
+static int kvs_count(PyObject *v, Py_ssize_t *out)
+{
+    int overflow;
+    long long x;
+    if (!PyLong_Check(v)) return 0;
+    x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow > 0 || x > PY_SSIZE_T_MAX) x = PY_SSIZE_T_MAX;
+    else if (overflow < 0 || x < PY_SSIZE_T_MIN) x = PY_SSIZE_T_MIN;
+    *out = (Py_ssize_t)x;
+    return 1;
+}
 
 #endif

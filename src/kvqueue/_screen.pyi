@@ -1,6 +1,8 @@
 # The compiled twin's types are the pure twin's: one source of truth.
+from ._screen_py import OTHER_POOLS as OTHER_POOLS
+from ._screen_py import REPEATS as REPEATS
 from ._screen_py import first_excess as first_excess
 from ._screen_py import first_held_free as first_held_free
 from ._screen_py import first_negative as first_negative
 
-__all__ = ("first_excess", "first_held_free", "first_negative")
+__all__ = ("OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_negative")

@@ -3,31 +3,55 @@
 Each screen reads blocks and changes nothing: it runs on every guarded call of
 vLLM's ``BlockPool`` (kvqueue/_pool_guard.py), before vLLM's own method, and
 answers where the first misuse is, or that there is none. A block is whatever
-vLLM's pool holds: any object with ``ref_cnt``, ``is_null`` and ``pool``.
+vLLM's pool holds: any object with ``ref_cnt``, ``is_null`` and (vLLM 0.30+)
+``pool``.
+
+Both twins read the same fields of the same blocks in the same order, so that
+code a block runs (a property, a ``__bool__``) runs alike in both; a list that
+such code changes is screened up to its length at the start, or its current
+length if shorter. A ``ref_cnt`` that is not an int (or an int subclass, read
+by its int value) is a misuse at that block: the guard says what it is.
 """
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
-__all__ = ("first_excess", "first_held_free", "first_negative")
+from ._block import is_subtype
+
+__all__ = ("OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_negative")
+
+#: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
+#: pools, and blocks given more than once (within the references they hold).
+OTHER_POOLS = 1
+REPEATS = 2
 
 
 def first_excess(blocks: list[Any], pool: object) -> int:
     """The index of the first occurrence in ``blocks`` of a block of ``pool`` that would
-    take its ``ref_cnt`` below 0 if each occurrence released one reference, or that
-    releases a block linked in a free list, or -1; O(len(blocks)).
+    take its ``ref_cnt`` below 0 if each occurrence released one reference, that releases
+    a block linked in a free list, or whose ``ref_cnt`` is no int; else ``-1 - flags``
+    (:data:`OTHER_POOLS`, :data:`REPEATS`); O(len(blocks)).
 
     Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
     another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
     blocks of no pool (made outside any pool, as some of vLLM's tests do) keep vLLM's
-    handling.
+    handling. ``pool`` None: the blocks have no ``pool`` field (vLLM before 0.30), and
+    every block is the caller's.
     """
     # Block ids are not unique across pools and vLLM's dataclass blocks are not
     # hashable: a block's remaining references are keyed by identity.
     left: dict[int, int] = {}
-    for i, block in enumerate(blocks):
-        if block.pool is not pool or block.is_null:
+    flags = 0
+    for i, block in enumerate(islice(blocks, len(blocks))):
+        if pool is not None:
+            owner = block.pool
+            if owner is not pool:
+                if owner is not None:
+                    flags |= OTHER_POOLS
+                continue
+        if block.is_null:
             continue
         key = id(block)
         refs = left.get(key)
@@ -36,24 +60,40 @@ def first_excess(blocks: list[Any], pool: object) -> int:
             if block.prev_free_block is not None:
                 return i
             refs = block.ref_cnt
+            if type(refs) is not int:
+                refs = _count(refs)
+                if refs is None:
+                    return i
+        else:
+            flags |= REPEATS
         if refs < 1:
             return i
         left[key] = refs - 1
-    return -1
+    return -1 - flags
 
 
 def first_negative(blocks: list[Any], pool: object) -> int:
-    """The index of the first block of ``pool`` (null aside) whose ``ref_cnt`` is
-    negative, or -1."""
-    for i, block in enumerate(blocks):
-        if block.pool is pool and not block.is_null and block.ref_cnt < 0:
+    """The index of the first block of ``pool`` (null aside; ``pool`` None: any block)
+    whose ``ref_cnt`` is negative or no int, or -1."""
+    for i, block in enumerate(islice(blocks, len(blocks))):
+        if pool is not None and block.pool is not pool:
+            continue
+        if block.is_null:
+            continue
+        refs = block.ref_cnt
+        if type(refs) is not int:
+            refs = _count(refs)
+            if refs is None:
+                return i
+        if refs < 0:
             return i
     return -1
 
 
 def first_held_free(head: Any, n: int) -> Any:
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
-    whose ``ref_cnt`` is not 0, or None; O(n). A link that is None ends the walk."""
+    whose ``ref_cnt`` is not 0 (or no int), or None; O(n). A link that is None ends
+    the walk."""
     block = head
     for _ in range(n):
         block = block.next_free_block
@@ -61,6 +101,16 @@ def first_held_free(head: Any, n: int) -> Any:
         # ends the walk at the tail: what vLLM then does is vLLM's.
         if block is None:
             return None
-        if block.ref_cnt != 0:
+        refs = block.ref_cnt
+        if (refs if type(refs) is int else _count(refs)) != 0:
             return block
+    return None
+
+
+def _count(value: object) -> int | None:
+    """``value`` as the int a ``ref_cnt`` is, or None; runs no code of ``value``'s."""
+    if type(value) is int:
+        return value
+    if is_subtype(type(value), int):
+        return int.__index__(value)  # type: ignore[arg-type]
     return None

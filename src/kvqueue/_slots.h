@@ -5,26 +5,7 @@
 #ifndef KVQUEUE_SLOTS_H
 #define KVQUEUE_SLOTS_H
 
-#include "structmember.h"
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#define Py_READONLY READONLY
-#endif
-
-/* Byte offset of the writable object slot behind member descriptor d, or -1. */
-static Py_ssize_t kvq_slot_offset(PyObject *d)
-{
-    PyMemberDescrObject *md;
-    PyMemberDef *m;
-    if (Py_TYPE(d) != &PyMemberDescr_Type) return -1;
-    md = (PyMemberDescrObject *)d;
-    m = md->d_member;
-    if (m->type != Py_T_OBJECT_EX || (m->flags & Py_READONLY)) return -1;
-    if (m->offset < (Py_ssize_t)sizeof(PyObject)
-        || m->offset + (Py_ssize_t)sizeof(PyObject *) > PyDescr_TYPE(md)->tp_basicsize)
-        return -1;
-    return m->offset;
-}
+#include "_member.h"
 
 #define KVQ_SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 

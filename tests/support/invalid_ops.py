@@ -56,6 +56,15 @@ def _repr(block_id: int) -> str:
     return f"KVCacheBlock(block_id={block_id})"
 
 
+def _vllm_repr(block_id: int, prev_id: int | None = None, next_id: int | None = None) -> str:
+    """How vLLM's own message (remove() of an invalid block) names one of kvqueue's blocks:
+    as vLLM's KVCacheBlock.__repr__ does, neighbours by block_id."""
+    return (
+        f"KVCacheBlock(block_id={block_id}, ref_cnt=0, _block_hash=None, "
+        f"_block_hash_num_tokens=None, prev_free_block={prev_id}, next_free_block={next_id})"
+    )
+
+
 TAIL_LOST = "prev_free_block of fake_free_list_tail should always exist"
 HEAD_LOST = "next_free_block of fake_free_list_head should always exist"
 LINKED = "called on a block that is already linked into a free list: "
@@ -345,7 +354,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         remove_detached,
         Expected(
             RuntimeError,
-            "remove() called on an invalid block: " + _repr(0),
+            "remove() called on an invalid block: " + _vllm_repr(0),
             repair=Repair("remove", {"not_linked": 1}, (2, 3)),
         ),
     ),
@@ -353,7 +362,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         remove_head,
         Expected(
             RuntimeError,
-            "remove() called on an invalid block: " + _repr(-1),
+            "remove() called on an invalid block: " + _vllm_repr(-1, None, 0),
             repair=Repair("remove", {"not_linked": 1}, (0,)),
         ),
     ),
@@ -361,7 +370,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
         remove_tail,
         Expected(
             RuntimeError,
-            "remove() called on an invalid block: " + _repr(-1),
+            "remove() called on an invalid block: " + _vllm_repr(-1, 0, None),
             repair=Repair("remove", {"not_linked": 1}, (0,)),
         ),
     ),

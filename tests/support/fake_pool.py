@@ -1,0 +1,228 @@
+"""A stand-in for vLLM's ``BlockPool`` of each line, for the pool guard's shared tests.
+
+Not vLLM's code: a model of what each line's guarded methods do to reference counts and
+the free list, as ``kvqueue._vllm_lines`` describes the lines (the real classes are
+tested in vllm_tests/). Each :func:`pool_class` call makes a new class, defined in this
+module as vLLM's is in its own (the guard accepts only such methods, or its own guards),
+so that a test can guard it and throw it away.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from blocks import VllmStyleBlock
+
+from kvqueue import _pool_guard
+from kvqueue._vllm_lines import LINES, Line
+
+SCREENS = {"kvqueue._queue": "kvqueue._screen", "kvqueue._queue_py": "kvqueue._screen_py"}
+
+
+def line(name: str) -> Line:
+    return next(each for each in LINES if each.name == name)
+
+
+@dataclass(slots=True)
+class Block023:
+    """vLLM 0.23's block layout: no ``pool``, no ``_block_hash_num_tokens``."""
+
+    block_id: int
+    ref_cnt: int = 0
+    _block_hash: Any = None
+    prev_free_block: Block023 | None = None
+    next_free_block: Block023 | None = None
+    is_null: bool = False
+
+
+@dataclass(slots=True)
+class Block024:
+    """vLLM 0.24-0.29's block layout: no ``pool``."""
+
+    block_id: int
+    ref_cnt: int = 0
+    _block_hash: Any = None
+    _block_hash_num_tokens: int | None = None
+    prev_free_block: Block024 | None = None
+    next_free_block: Block024 | None = None
+    is_null: bool = False
+
+
+def block_class(of: Line) -> type:
+    if of.has_pool_field:
+        return VllmStyleBlock
+    return Block024 if "_block_hash_num_tokens" in of.block_fields else Block023
+
+
+class _Pool:
+    """What every line's pool has: blocks, a free list of them, a null block."""
+
+    block: type | None = None
+
+    def __init__(self, num_gpu_blocks: int, queue_class: type, of: Line) -> None:
+        make = self.block or block_class(of)
+        if of.has_pool_field:
+            self.blocks = [make(i, pool=self) for i in range(num_gpu_blocks)]
+        else:
+            self.blocks = [make(i) for i in range(num_gpu_blocks)]
+        self.num_gpu_blocks = num_gpu_blocks
+        self.free_block_queue = queue_class(self.blocks)
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.on_reuse: dict[int, Callable[[Any], None]] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return int(self.free_block_queue.num_free_blocks)
+
+
+def _get_new_blocks(self: Any, num_blocks: int) -> list[Any]:
+    if num_blocks > self.get_num_free_blocks():
+        raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+    taken = self.free_block_queue.popleft_n(num_blocks)
+    for block in taken:
+        assert block.ref_cnt == 0
+        block.ref_cnt += 1
+    return list(taken)
+
+
+def _touch(skips_null: bool) -> Callable[..., None]:
+    def touch(self: Any, blocks: Any) -> None:
+        for block in blocks:
+            if skips_null and block.is_null:
+                continue
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    return touch
+
+
+def _free_counting_first(self: Any, ordered_blocks: Any, prepend: bool = False) -> None:
+    # 0.23: every occurrence released, then every occurrence at 0 queued.
+    every = list(ordered_blocks)
+    for block in every:
+        block.ref_cnt -= 1
+    at_zero = [block for block in every if block.ref_cnt == 0 and not block.is_null]
+    if prepend:
+        self.free_block_queue.prepend_n(at_zero)
+    else:
+        self.free_block_queue.append_n(at_zero)
+
+
+def _free(of: Line) -> Callable[..., None]:
+    def free_blocks(self: Any, ordered_blocks: Any) -> None:
+        first: list[Any] = []
+        last: list[Any] = []
+        elsewhere: dict[Any, list[Any]] = {}
+        for block in ordered_blocks:
+            if of.skips_null and block.is_null:
+                continue
+            if of.has_pool_field and block.pool is not None and block.pool is not self:
+                elsewhere.setdefault(block.pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                (first if block._block_hash is None else last).append(block)
+        self.free_block_queue.prepend_n(first)
+        self.free_block_queue.append_n(last)
+        for pool, blocks in elsewhere.items():
+            pool.free_blocks(blocks)
+
+    return free_blocks
+
+
+def _unpin_blocks(self: Any, blocks: Any, on_reuse: Callable[[Any], None]) -> None:
+    released = []
+    for block in blocks:
+        assert block.ref_cnt > 0
+        assert not block.is_null
+        block.ref_cnt -= 1
+        self.on_reuse[block.block_id] = on_reuse
+        if block.ref_cnt == 0:
+            released.append(block)
+    self.free_block_queue.append_n(released)
+
+
+def pool_class(
+    of: Line, *, module: ModuleType | None = None, metaclass: type = type, block: type | None = None
+) -> type:
+    """A new ``BlockPool`` class of line ``of``, its methods as vLLM's are named: defined in
+    this module, or in ``module`` (a stand-in for vLLM's). ``block``: its blocks' class."""
+    methods: dict[str, Any] = {
+        "get_new_blocks": _get_new_blocks,
+        "touch": _touch(of.skips_null),
+        "free_blocks": _free_counting_first if of.counts_first else _free(of),
+    }
+    if "unpin_blocks" in of.pool_methods:
+        methods["unpin_blocks"] = _unpin_blocks
+
+    def init(self: Any, num_gpu_blocks: int, queue_class: type) -> None:
+        _Pool.__init__(self, num_gpu_blocks, queue_class, of)
+
+    home = module.__name__ if module is not None else __name__
+    namespace = {"__init__": init, "__module__": home, "block": block}
+    cls: type = metaclass("BlockPool", (_Pool,), namespace)
+    for name, function in methods.items():
+        # A function of its own per class, named as vLLM's method is, in its module.
+        own = type(function)(
+            function.__code__,
+            vars(module) if module is not None else function.__globals__,
+            name,
+            function.__defaults__,
+            function.__closure__,
+        )
+        own.__qualname__ = f"BlockPool.{name}"
+        setattr(cls, name, own)
+    return cls
+
+
+def policy_of(pool: Any) -> Any:
+    return pool.free_block_queue.on_misuse
+
+
+def screen_of(queue_mod: ModuleType) -> ModuleType:
+    return importlib.import_module(SCREENS[queue_mod.__name__])
+
+
+@contextmanager
+def guarded(queue_mod: ModuleType, of: Line, **kwargs: Any) -> Iterator[type]:
+    """A new pool class of line ``of``, guarded with ``queue_mod``'s screens until the end."""
+    cls = pool_class(of)
+    originals = _pool_guard.guard(
+        cls, screen_of(queue_mod), policy_of, wrap_foreign=False, line=of, **kwargs
+    )
+    try:
+        yield cls
+    finally:
+        _pool_guard.unguard(cls, originals)
+
+
+def make_pool(cls: type, queue_mod: ModuleType, n: int, policy: str) -> Any:
+    def queue_class(blocks: list[Any]) -> Any:
+        return queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse=policy)
+
+    return cls(n, queue_class)
+
+
+def state(pool: Any) -> tuple[Any, ...]:
+    """Everything a guarded call may change: counts and the free list, in order."""
+    return (
+        tuple(block.ref_cnt for block in pool.blocks),
+        tuple(block.block_id for block in pool.free_block_queue.get_all_free_blocks()),
+        pool.free_block_queue.num_free_blocks,
+    )
+
+
+def consistent(pool: Any) -> None:
+    """The count is the list's length, and the list holds exactly the blocks at 0."""
+    free = pool.free_block_queue.get_all_free_blocks()
+    assert pool.free_block_queue.num_free_blocks == len(free)
+    assert all(block.ref_cnt == 0 for block in free), [(b.block_id, b.ref_cnt) for b in free]
+    listed = {id(block) for block in free}
+    held = [b for b in pool.blocks if not b.is_null and id(b) not in listed]
+    assert all(block.ref_cnt > 0 for block in held), [(b.block_id, b.ref_cnt) for b in held]
