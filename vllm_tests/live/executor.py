@@ -89,6 +89,9 @@ class StubWorker:
     def take_draft_token_ids(self) -> None:
         return None
 
+    def supports_draft_weight_updates(self) -> bool:
+        return False  # no draft model (0.30 asks at start-up)
+
     def check_health(self) -> None:
         return None
 
