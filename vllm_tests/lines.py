@@ -4,9 +4,15 @@ The venv of vllm_tests/venv.sh holds the newest line (``VLLM_VERSION`` of vllm.e
 requirements and the CPU torch. For any other line of ``kvqueue._vllm_lines.LINES``, that
 line's wheel (downloaded once into ``<cache>/wheels``) is unpacked into
 ``<cache>/vllm-<release>-overlay`` without its compiled ``.so`` files (CUDA kernels that the
-CPU path does not load) and with its ``vllm-<release>.dist-info``; that directory first on
+CPU path does not load) and with its ``vllm-<release>.dist-info``, versioned
+``<release>+cpu`` as vLLM's own CPU builds are (0.23-0.27 choose the CPU platform by that
+suffix alone; later lines also by ``VLLM_TARGET_DEVICE``); that directory first on
 ``PYTHONPATH`` makes ``import vllm`` and ``importlib.metadata.version("vllm")`` that line's,
 over the same torch and the same requirements. One venv, one download cache, for all lines.
+What the line requires and the venv lacks altogether (0.23's ``gguf``, say) is installed into
+the overlay too, without its dependencies (those must be the venv's: checked); a requirement
+the venv holds at another version is said, not changed (the line's suites tell whether it
+matters).
 
 ``python lines.py LINE`` prints the ``PYTHONPATH`` entry for LINE (``0.31``, ``0.31.0``; empty
 for the venv's own line), ``--list`` the accepted releases, ``--ci`` the ones CI runs (one
@@ -16,16 +22,20 @@ line per row of lines alike, ``rows()``, the newest line included).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import zipfile
-from importlib.metadata import distributions
+from importlib.metadata import PackageNotFoundError, distributions, version
 from pathlib import Path
 
 import sdist
+from packaging.requirements import Requirement
+from requirements import needed
+
 from kvqueue._vllm_lines import LINES, Line, accepted, find
 
 NEWEST = LINES[-1]
@@ -89,7 +99,9 @@ def overlay(target: Line) -> Path | None:
         return None
     root = sdist.cache_dir() / f"vllm-{target.release}-overlay"
     source = wheel(target.release)
-    marker = f"{source.name}\n"
+    # Made again when the wheel or this recipe (this file, requirements.py) changes.
+    recipe = hashlib.sha256(Path(__file__).read_bytes() + Path(needed.__code__.co_filename).read_bytes())
+    marker = f"{source.name} {recipe.hexdigest()}\n"
     complete = root / _COMPLETE
     if complete.is_file() and complete.read_text(encoding="utf-8") == marker:
         return root
@@ -98,9 +110,10 @@ def overlay(target: Line) -> Path | None:
     try:
         with zipfile.ZipFile(source) as archive:
             for name in archive.namelist():
-                # Only the top-level packages and the dist-info: not the .so kernels.
                 if not name.endswith(".so"):
                     archive.extract(name, staging)
+        mark_cpu(target, staging)
+        install_missing(target, staging)
         (staging / _COMPLETE).write_text(marker, encoding="utf-8")
         shutil.rmtree(root, ignore_errors=True)
         staging.rename(root)
@@ -108,6 +121,53 @@ def overlay(target: Line) -> Path | None:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return root
+
+
+def mark_cpu(target: Line, directory: Path) -> None:
+    """Version the overlay's dist-info ``<release>+cpu``, as vLLM names its CPU builds."""
+    (metadata,) = directory.glob("vllm-*.dist-info/METADATA")
+    text = metadata.read_text(encoding="utf-8")
+    stated = f"\nVersion: {target.release}\n"
+    if stated not in text:
+        raise SystemExit(f"lines.py: {metadata} does not say {stated.strip()}")
+    metadata.write_text(text.replace(stated, f"\nVersion: {target.release}+cpu\n", 1), "utf-8")
+
+
+def requirements_of(target: Line, directory: Path) -> list[Requirement]:
+    """The line's requirements for the CPU (its dist-info in ``directory``)."""
+    (dist,) = distributions(name="vllm", path=[str(directory)])
+    return needed(dist.requires or [])
+
+
+def install_missing(target: Line, directory: Path) -> None:
+    """Put into ``directory`` what the line requires and the venv has not at all; say which
+    requirements the venv holds at another version."""
+    missing = []
+    for req in requirements_of(target, directory):
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            missing.append(req)
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            print(f"lines.py: vLLM {target.release} names {req}; the venv has {have}",
+                  file=sys.stderr)  # fmt: skip
+    if not missing:
+        return
+    print(f"lines.py: vLLM {target.release} needs {', '.join(map(str, missing))}", file=sys.stderr)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(directory),
+         *map(str, missing)],
+        check=True,
+    )  # fmt: skip
+    # Their own requirements must be in the venv already (--no-deps put nothing else here).
+    for req in missing:
+        (dist,) = distributions(name=req.name, path=[str(directory)])
+        for sub in needed(dist.requires or []):
+            try:
+                version(sub.name)
+            except PackageNotFoundError:
+                raise SystemExit(f"lines.py: {req.name} needs {sub}, which the venv lacks") from None
 
 
 def main() -> int:

@@ -1,16 +1,19 @@
 """vLLM's own tests, three ways: vLLM's queue, kvqueue's compiled twin, its pure twin.
 
-vLLM is the release vllm_tests/vllm.env pins.
+``--line 0.31`` (or ``0.31.0``) picks the vLLM line, one of ``kvqueue._vllm_lines.LINES``;
+the default is the venv's own (the release vllm.env pins). Another line runs over the same
+venv with its Python laid over the venv's vLLM (lines.py).
 
 Run with the python of vllm_tests/venv.sh (``make vllm-tests``). vLLM's test files come from
-its sdist (sdist.py), model ids resolve to configuration files only (hub.py), and pytest runs
-once per queue with our plugin (kvqueue_plugin.py). Tests listed in vllm_tests/excluded.txt
-(each with its reason) are left out. The run fails when the three sets of passing tests
-differ, when a test not listed there fails with vLLM's own queue (the list is stale), or when
-no test built a block pool.
+that release's sdist (sdist.py), model ids resolve to configuration files only (hub.py), and
+pytest runs once per queue with our plugin (kvqueue_plugin.py). Tests that
+vllm_tests/excluded.txt lists for the line (each with its reason) are left out. The run fails
+when the three sets of passing tests differ, when a test not listed there fails with vLLM's
+own queue (the list is stale), when a listed path is not in the release, or when no test
+built a block pool.
 
 ``--quick`` runs the three suites every CI run takes; the default runs every suite that
-builds a BlockPool or a Scheduler on the CPU.
+builds a BlockPool or a Scheduler on the CPU (those the release has).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hub
+import lines
 import sdist
+from kvqueue._vllm_lines import Line, parse
 
-VLLM_VERSION = sdist.VLLM_VERSION
 HERE = Path(__file__).resolve().parent
 QUICK = (
     "tests/v1/core/test_prefix_caching.py",
@@ -46,34 +51,64 @@ FULL = (
     "tests/v1/engine/test_kv_cache_group_metadata.py",
     "tests/plugins_tests/test_scheduler_plugins.py",
 )
+# tests/v1/core alone: what every line runs (an older line's other suites need more of the
+# CPU than this machine's torch and venv give them, and time CI has not).
+CORE = ("tests/v1/core",)
+SUITES = {"quick": QUICK, "core": CORE, "full": FULL}
 TWINS = ("none", "cython", "python")
 
 
-def excluded(path: Path) -> list[str]:
-    """pytest arguments for excluded.txt: ``--deselect`` a node id, ``--ignore`` a path.
+def in_scope(scope: str, line: Line) -> bool:
+    """Whether an excluded.txt scope (``0.33``, ``0.23-0.26``, ``0.30-``) covers ``line``."""
+    first, dash, last = scope.partition("-")
+    low, high = parse(first + ".0"), parse(last + ".0") if last else None
+    if low is None or (dash and last and high is None):
+        raise ValueError(f"not a scope of lines: {scope!r}")
+    return low <= line.minor <= (high or (low if not dash else line.minor))
 
-    Each line is ``ID_OR_PATH  # reason``; a line without a reason is refused (ValueError).
+
+def excluded(path: Path, line: Line) -> list[tuple[str, int]]:
+    """excluded.txt's targets for ``line``: a node id or a path, with its line number.
+
+    Each line is ``SCOPE  ID_OR_PATH  # reason``; a line without a reason or a scope is
+    refused (ValueError).
     """
-    args = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
+    targets = []
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not text.strip() or text.lstrip().startswith("#"):
             continue
-        target, _, reason = line.partition("#")
-        if not reason.strip():
-            raise ValueError(f"{path}:{number}: no reason given for {target.strip()}")
-        target = target.strip()
+        entry, _, reason = text.partition("#")
+        fields = entry.split()
+        if not reason.strip() or len(fields) != 2:
+            raise ValueError(f"{path}:{number}: not SCOPE TARGET # REASON: {text.strip()}")
+        if in_scope(fields[0], line):
+            targets.append((fields[1], number))
+    return targets
+
+
+def exclusion_args(targets: list[tuple[str, int]], root: Path) -> tuple[list[str], list[str]]:
+    """pytest's ``--deselect`` (a node id) and ``--ignore`` (a path) for ``targets``, and the
+    entries naming a file that the release does not have (stale)."""
+    args, stale = [], []
+    for target, number in targets:
+        if not (root / target.partition("::")[0]).exists():
+            stale.append(f"excluded.txt:{number}: {target} is not in this release")
         args += ["--deselect", target] if "::" in target else ["--ignore", target]
-    return args
+    return args, stale
 
 
-def run_pytest(twin: str, root: Path, suites: tuple[str, ...], extra: list[str], work: Path):
-    """One pytest run; its outcomes, {nodeid: {"outcome", "pools"}}. Raises on a crash."""
+def run_pytest(
+    twin: str, root: Path, suites: list[str], extra: list[str], work: Path, path: list[Path]
+) -> dict[str, Any]:
+    """One pytest run; its outcomes, {nodeid: {"outcome", "pools"}}. Raises on a crash.
+
+    ``path``: what goes on PYTHONPATH (the line's overlay, if any, then our plugin)."""
     report = work / f"report-{twin}.json"
     log = work / f"pytest-{twin}.log"
     report.unlink(missing_ok=True)
     env = dict(
         os.environ,
-        PYTHONPATH=str(HERE),
+        PYTHONPATH=os.pathsep.join(map(str, path)),
         HF_HOME=str(work / "hf-home"),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -88,32 +123,48 @@ def run_pytest(twin: str, root: Path, suites: tuple[str, ...], extra: list[str],
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as out:
         code = subprocess.run(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
-    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    output = log.read_text(encoding="utf-8", errors="replace").splitlines()
     # pytest's closing line; objects finalized at exit may print after it.
     closing = re.compile(r"\d+ (passed|failed).* in ")
-    last = next((line for line in reversed(lines) if closing.search(line)), "?")
+    last = next((text for text in reversed(output) if closing.search(text)), "?")
     print(f"[{twin}] {last} ({time.monotonic() - start:.0f} s; {log})", flush=True)
     if not report.is_file():
         raise RuntimeError(f"pytest exited {code.returncode} without a report; see {log}")
-    return json.loads(report.read_text(encoding="utf-8"))
+    results: dict[str, Any] = json.loads(report.read_text(encoding="utf-8"))
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the three seed suites only")
+    parser.add_argument("--line", help="the vLLM line: 0.31 or 0.31.0 (default: the venv's)")
+    parser.add_argument(
+        "--suites", choices=SUITES, help="quick: three files; core: tests/v1/core; full "
+        "(default for the venv's own line; older lines: core)",
+    )
+    parser.add_argument("--quick", action="store_true", help="the same as --suites quick")
     parser.add_argument("--twins", default=",".join(TWINS), help="comma-separated subset")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
     twins = tuple(args.twins.split(","))
-    work = sdist.cache_dir() / f"vllm-{VLLM_VERSION}-runs"
+    line = lines.line(args.line or lines.venv_release())
+    overlay = lines.overlay(line)
+    release = line.release
+    print(f"vllm-tests: vLLM {release}" + (f" laid over the venv's ({overlay})" if overlay else ""))
+    work = sdist.cache_dir() / f"vllm-{release}-runs"
     work.mkdir(parents=True, exist_ok=True)
-    root = sdist.tests_root(VLLM_VERSION)
+    root = sdist.tests_root(release)
     hub.write(work / "hf-home")
-    extra = excluded(HERE / "excluded.txt") + args.pytest_args
-    suites = QUICK if args.quick else FULL
-    results = {twin: run_pytest(twin, root, suites, extra, work) for twin in twins}
+    exclusions, problems = exclusion_args(excluded(HERE / "excluded.txt", line), root)
+    extra = exclusions + args.pytest_args
+    chosen = "quick" if args.quick else args.suites
+    wanted = SUITES[chosen or ("core" if overlay else "full")]
+    suites = [suite for suite in wanted if (root / suite).exists()]
+    if missing := sorted(set(wanted) - set(suites)):
+        print(f"vllm-tests: vLLM {release} has no {', '.join(missing)}")
+    path = [overlay, HERE] if overlay else [HERE]
+    start = time.monotonic()
+    results = {twin: run_pytest(twin, root, suites, extra, work, path) for twin in twins}
 
-    problems = []
     passed = {
         twin: {name for name, entry in r.items() if entry["outcome"] == "passed"}
         for twin, r in results.items()
@@ -125,7 +176,7 @@ def main() -> int:
             counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
         pools = sum(1 for entry in results[twin].values() if entry["pools"])
         summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-        print(f"vllm-tests {twin:>6}: {summary}; {pools} tests built a BlockPool")
+        print(f"vllm-tests {release} {twin:>6}: {summary}; {pools} tests built a BlockPool")
         if not pools:
             problems.append(f"{twin}: no test built a BlockPool")
         for name in sorted(passed[reference] ^ passed[twin]):
@@ -138,7 +189,8 @@ def main() -> int:
     for problem in problems:
         print("vllm-tests: " + problem)
     verdict = "identical" if not problems else "DIFFERENT (or stale excluded.txt)"
-    print(f"vllm-tests: pass sets across {', '.join(twins)}: {verdict}")
+    seconds = time.monotonic() - start
+    print(f"vllm-tests {release}: pass sets across {', '.join(twins)}: {verdict} ({seconds:.0f} s)")
     return 1 if problems else 0
 
 
