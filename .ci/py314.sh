@@ -5,9 +5,8 @@
 #
 # The interpreter is Debian unstable's python3.14 (Debian's own build), in a
 # minimal Debian unstable root made by debootstrap and entered with chroot.
-# Why not a build from Debian's python3.14 source package, as
-# .ci/freethreading.sh builds 3.13t: the archive reachable here lists that
-# source but answers 404 for its files (binary packages download), and the
+# Why not a build from Debian's python3.14 source package: the archive reachable
+# here lists that source but answers 404 for its files (binary packages download), and the
 # binaries need a newer glibc than this Debian release's, hence a whole root.
 # The root is made once (about 2 min, 650 MB) and kept under the cache root
 # (.ci/common.sh), so a fresh clone on the same machine reuses it; delete it

@@ -9,7 +9,9 @@ import pytest
 from blocks import SubBlock
 
 from kvqueue import KVCacheBlock
-from kvqueue.vllm import KNOWN_BLOCK_FIELDS as FIELDS
+from kvqueue._vllm_lines import LINES
+
+FIELDS = LINES[-1].block_fields
 
 
 def test_defaults() -> None:

@@ -46,7 +46,7 @@ def test_help() -> None:
 def test_says_which_twin_and_why() -> None:
     assert report()["implementation"] == "cython"
     pure = report(KVQUEUE_PURE="1")
-    assert (pure["implementation"], pure["why"]) == ("python", "KVQUEUE_PURE is set")
+    assert (pure["implementation"], pure["why"]) == ("python", "KVQUEUE_PURE=1")
 
 
 def test_a_bad_policy_is_a_problem() -> None:
@@ -60,11 +60,40 @@ def test_asking_for_vllm_without_it_is_a_problem() -> None:
     result = report(KVQUEUE_VLLM="1")
     if result["vllm"]["installed"]:
         pytest.skip("vLLM is installed here (vllm_tests/ covers that case)")
-    assert result["problems"] == ["KVQUEUE_VLLM=1 but vLLM is not installed"]
+    assert result["plugin"]["action"] == "refuse"
+    assert result["problems"] == [result["plugin"]["reason"]]
+    assert "vllm" in result["problems"][0]
 
 
-def test_every_variable_is_explained() -> None:
-    from kvqueue import _env
-    from kvqueue.__main__ import MEANINGS
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KVQUEUE_PURE", "yes"),
+        ("KVQUEUE_PURE", "maybe"),
+        ("KVQUEUE_POOL_GUARD", "off"),
+        ("KVQUEUE_WRAP_FOREIGN", "yes"),
+        ("KVQUEUE_VLLM", "maybe"),
+        ("KVQUEUE_VLLM", "\udcff"),
+    ],
+)
+def test_every_bad_value_is_one_problem_and_no_traceback(name: str, value: str) -> None:
+    """Whether or not vLLM is installed, every variable is checked."""
+    for args in ((), ("--json",)):
+        done = run(*args, PYTHONIOENCODING="utf-8:strict", **{name: value})
+        assert done.returncode == 1, done.stderr
+        assert "Traceback" not in done.stderr
+    result = report(**{name: value})
+    [problem] = result["problems"]
+    assert problem.startswith(f"{name} must be one of")
 
-    assert tuple(MEANINGS) == _env.USER
+
+def test_a_bad_policy_is_reported_once_when_the_plugin_is_on() -> None:
+    result = report(KVQUEUE_ON_MISUSE="fix", KVQUEUE_VLLM="1")
+    assert len(result["problems"]) == 1
+    assert result["plugin"]["action"] == "refuse"
+
+
+def test_the_accepted_lines_are_the_tables() -> None:
+    from kvqueue._vllm_lines import LINES
+
+    assert report()["accepted_vllm_lines"] == [line.release for line in LINES]

@@ -15,6 +15,8 @@ from blocks import VllmStyleBlock
 
 import kvqueue
 import kvqueue.vllm as kv_vllm
+from kvqueue import _env
+from kvqueue._vllm_lines import LINES, Line
 
 UTILS = "vllm.v1.core.kv_cache_utils"
 POOL = "vllm.v1.core.block_pool"
@@ -49,17 +51,48 @@ class VllmQueue:
     def iter_blocks_after(self, cursor: Any) -> Any: ...
 
 
-# The pool looks the queue up by its module-global name at construction, as vLLM's does.
+# A stand-in for vLLM's BlockPool with the guarded methods a line defines (their parameter
+# names are the line's: install() checks them); it looks the queue up by its module-global
+# name at construction, as vLLM's does.
 POOL_SOURCE = textwrap.dedent(
     """
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
     class BlockPool:
         def __init__(self, num_gpu_blocks):
-            self.blocks = [KVCacheBlock(idx, pool=self) for idx in range(num_gpu_blocks)]
+            self.num_gpu_blocks = num_gpu_blocks
+            self.blocks = [KVCacheBlock(idx, **OWNER(self)) for idx in range(num_gpu_blocks)]
             self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
             self.null_block = self.free_block_queue.popleft()
             self.null_block.is_null = True
+
+        def get_num_free_blocks(self):
+            return self.free_block_queue.num_free_blocks
+
+        def get_new_blocks(self, num_blocks):
+            if num_blocks > self.get_num_free_blocks():
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            blocks = self.free_block_queue.popleft_n(num_blocks)
+            for block in blocks:
+                block.ref_cnt += 1
+            return blocks
+
+        def touch(self, blocks):
+            for block in blocks:
+                if block.ref_cnt == 0 and not block.is_null:
+                    self.free_block_queue.remove(block)
+                block.ref_cnt += 1
+
+        def free_blocks(self, ordered_blocks, *rest):
+            freed = []
+            for block in ordered_blocks:
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0 and not block.is_null:
+                    freed.append(block)
+            self.free_block_queue.append_n(freed)
+
+        def unpin_blocks(self, blocks, on_reuse):
+            self.free_blocks(blocks)
     """
 )
 
@@ -70,16 +103,59 @@ def _module(name: str, **attrs: Any) -> Any:
     return module
 
 
+def line_block(line: Line) -> type:
+    """A slotted dataclass with ``line``'s ``KVCacheBlock`` fields."""
+    types = {"block_id": int, "ref_cnt": int, "is_null": bool}
+    defaults = {"ref_cnt": 0, "is_null": False}
+    specs: list[Any] = []
+    for name in line.block_fields:
+        if name == "block_id":
+            specs.append((name, int))
+        elif name == "pool":
+            specs.append((name, Any, dataclasses.field(default=None, kw_only=True)))
+        else:
+            specs.append((name, types.get(name, Any), defaults.get(name)))
+    return dataclasses.make_dataclass("KVCacheBlock", specs, slots=True)
+
+
+def _line_pool(pool: Any, line: Line) -> None:
+    """Give the fake ``BlockPool`` exactly ``line``'s guarded methods and parameters."""
+    cls = pool.BlockPool
+    pool.OWNER = (lambda p: {"pool": p}) if line.has_pool_field else (lambda p: {})
+    if "unpin_blocks" not in line.pool_methods:
+        del cls.unpin_blocks
+    source = "def free_blocks(self, ordered_blocks, prepend=False):\n" if line.counts_first else (
+        "def free_blocks(self, ordered_blocks):\n"
+    )
+    body = "    return BlockPool._free(self, ordered_blocks)\n"
+    cls._free = cls.free_blocks
+    exec(compile(source + body, "<fake block_pool>", "exec"), pool.__dict__)
+    function = pool.__dict__.pop("free_blocks")
+    function.__qualname__ = "BlockPool.free_blocks"
+    cls.free_blocks = function
+
+
+def line_queue(line: Line) -> type:
+    """vLLM's queue as ``line`` has it: VllmQueue's methods, less those it lacks."""
+    namespace = {k: v for k, v in vars(VllmQueue).items() if k.startswith("_") or k in line.queue_methods}
+    return _as_vllms(type("FreeKVCacheBlockQueue", (), namespace))
+
+
 class FakeVllm:
     def __init__(
         self,
         monkeypatch: pytest.MonkeyPatch,
-        version: str = "0.33.0",
-        block_class: Any = VllmStyleBlock,
-        queue_class: type = VllmQueue,
+        version: str | None = None,
+        block_class: Any = ...,
+        queue_class: type | None = None,
+        line: Line = LINES[-1],
     ) -> None:
         self.monkeypatch = monkeypatch
-        self.vllm = _module("vllm", __version__=version)
+        if block_class is ...:  # the line's own
+            block_class = VllmStyleBlock if line is LINES[-1] else line_block(line)
+        if queue_class is None:
+            queue_class = VllmQueue if line is LINES[-1] else line_queue(line)
+        self.vllm = _module("vllm", __version__=line.release if version is None else version)
         self.utils = _module(UTILS, KVCacheBlock=block_class, FreeKVCacheBlockQueue=queue_class)
         self.queue_class = queue_class
         for module in (
@@ -89,10 +165,11 @@ class FakeVllm:
             self.utils,
         ):
             monkeypatch.setitem(sys.modules, module.__name__, module)
-        self.pool = _module(POOL)
+        self.pool = _module(POOL, OWNER=lambda p: {"pool": p})
         # Imported (and so bound) before install, like vLLM's engine core would.
         monkeypatch.setitem(sys.modules, POOL, self.pool)
         exec(compile(POOL_SOURCE, "<fake block_pool>", "exec"), self.pool.__dict__)
+        _line_pool(self.pool, line)
 
     def bindings(self) -> tuple[Any, Any]:
         """The queue class that each module's name builds."""
@@ -131,7 +208,7 @@ def test_import_kvqueue_does_not_import_vllm() -> None:
                 return None
         sys.meta_path.insert(0, Spy())
         import kvqueue, kvqueue.vllm
-        kvqueue.vllm.installed()
+        kvqueue.vllm.status()["implementation"]
         assert not seen, seen
         assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
         """
@@ -143,7 +220,7 @@ def test_install_patches_the_pool_lookup(fake: FakeVllm, queue_mod: ModuleType) 
     queue_class = queue_mod.FreeKVCacheBlockQueue
     assert kv_vllm.install(_implementation(queue_mod)) is queue_class
     assert fake.bindings() == (queue_class, queue_class)
-    assert kv_vllm.installed() == _implementation(queue_mod)
+    assert kv_vllm.status()["implementation"] == _implementation(queue_mod)
     pool = fake.pool.BlockPool(8)
     queue: Any = pool.free_block_queue
     assert type(pool.free_block_queue) is queue_class
@@ -160,7 +237,7 @@ def test_install_patches_the_pool_lookup(fake: FakeVllm, queue_mod: ModuleType) 
 
 def test_install_auto_uses_the_shims_choice(fake: FakeVllm) -> None:
     assert kv_vllm.install() is kvqueue.FreeKVCacheBlockQueue
-    assert kv_vllm.installed() == kvqueue.IMPLEMENTATION
+    assert kv_vllm.status()["implementation"] == kvqueue.IMPLEMENTATION
 
 
 def test_idempotent_and_reversible(fake: FakeVllm, queue_mod: ModuleType) -> None:
@@ -171,7 +248,7 @@ def test_idempotent_and_reversible(fake: FakeVllm, queue_mod: ModuleType) -> Non
     assert fake.bindings() == (first, first)
     assert kv_vllm.uninstall() is True
     assert fake.bindings() == (VllmQueue, VllmQueue)
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
     assert kv_vllm.uninstall() is False
     assert fake.bindings() == (VllmQueue, VllmQueue)
     # A pool built before install keeps vLLM's queue.
@@ -189,7 +266,7 @@ def test_switch_implementation(fake: FakeVllm) -> None:
     kv_vllm.install("python")
     assert kv_vllm.install("cython") is _queue.FreeKVCacheBlockQueue
     assert fake.bindings() == (_queue.FreeKVCacheBlockQueue,) * 2
-    assert kv_vllm.installed() == "cython"
+    assert kv_vllm.status()["implementation"] == "cython"
     kv_vllm.install("python")
     assert fake.bindings() == (_queue_py.FreeKVCacheBlockQueue,) * 2
     kv_vllm.uninstall()
@@ -201,15 +278,15 @@ def test_patched_context_manager(fake: FakeVllm, queue_mod: ModuleType) -> None:
         assert queue_class is queue_mod.FreeKVCacheBlockQueue
         assert type(fake.pool.BlockPool(4).free_block_queue) is queue_class
     assert fake.bindings() == (VllmQueue, VllmQueue)
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
 
 
 @pytest.mark.c_extension
 def test_patched_keeps_an_earlier_install(fake: FakeVllm) -> None:
     kv_vllm.install("python")
     with kv_vllm.patched("cython"):
-        assert kv_vllm.installed() == "cython"
-    assert kv_vllm.installed() == "python"
+        assert kv_vllm.status()["implementation"] == "cython"
+    assert kv_vllm.status()["implementation"] == "python"
 
 
 def test_patches_other_loaded_importers(fake: FakeVllm, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,27 +319,72 @@ def test_known_versions(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     assert fake.bindings() == (queue_class, queue_class)
 
 
+@pytest.mark.parametrize("line", LINES, ids=lambda line: line.name)
+def test_every_accepted_line_installs_with_its_own_layout(
+    monkeypatch: pytest.MonkeyPatch, line: Line
+) -> None:
+    fake = FakeVllm(monkeypatch, line=line)
+    queue_class = kv_vllm.install("python")
+    assert fake.bindings() == (queue_class, queue_class)
+    state = kv_vllm.status()
+    assert (state["line"], state["guarded"]) == (line.name, sorted(line.pool_methods))
+    pool = fake.pool.BlockPool(4)
+    blocks = pool.get_new_blocks(2)
+    pool.free_blocks(blocks)
+    assert pool.get_num_free_blocks() == 3
+    kv_vllm.uninstall()
+    assert fake.bindings() == (fake.queue_class, fake.queue_class)
+
+
 def _assert_refused(fake: FakeVllm, match: str, **kwargs: Any) -> None:
     with pytest.raises(kv_vllm.VLLMLayoutError, match=match):
         kv_vllm.install("python", **kwargs)
     assert fake.bindings() == (fake.queue_class, fake.queue_class)
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
 
 
-@pytest.mark.parametrize("version", ["0.30.1", "0.32.0", "0.34.0", "1.0.0", "dev", "0", ""])
+ACCEPTED = r"kvqueue accepts the vLLM lines .*\(0\.23, 0\.24, .*, 0\.33\)"
+
+
+@pytest.mark.parametrize("version", ["0.22.1", "0.34.0", "1.0.0", "dev", "0", ""])
 def test_unknown_version_refused(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     fake = FakeVllm(monkeypatch, version=version)
-    _assert_refused(fake, "knows the block layout of vLLM 0.33,")
-    # The version check alone can be skipped; the layout is still checked.
+    _assert_refused(fake, ACCEPTED)
+    # The version check alone can be skipped: the line whose layout this is is taken.
     assert kv_vllm.install("python", check_version=False) is not None
-    assert fake.utils.FreeKVCacheBlockQueue is not VllmQueue
+    assert kv_vllm.status()["line"] == "0.33"
+
+
+@pytest.mark.parametrize(
+    ("version", "line", "match"),
+    [
+        ("0.31.0", LINES[0], "is not what kvqueue knows of vLLM 0.31: KVCacheBlock has fields"),
+        ("0.23.0", LINES[-1], "is not what kvqueue knows of vLLM 0.23: KVCacheBlock has fields"),
+        ("0.25.1", LINES[3], "of vLLM 0.25: FreeKVCacheBlockQueue has methods"),
+    ],
+)
+def test_a_layout_unlike_its_lines_refused(
+    monkeypatch: pytest.MonkeyPatch, version: str, line: Line, match: str
+) -> None:
+    fake = FakeVllm(monkeypatch, version=version, line=line)
+    _assert_refused(fake, match)
+
+
+def test_a_pool_method_unlike_its_lines_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeVllm(monkeypatch)
+    del fake.pool.BlockPool.unpin_blocks
+    _assert_refused(fake, r"BlockPool lacks unpin_blocks\(\), unlike vLLM 0.33")
+    fake = FakeVllm(monkeypatch)
+    exec("def free_blocks(self, blocks): pass", fake.pool.__dict__)
+    fake.pool.BlockPool.free_blocks = fake.pool.__dict__.pop("free_blocks")
+    _assert_refused(fake, r"BlockPool.free_blocks\('blocks',\) differs from vLLM 0.33's")
 
 
 def test_missing_version_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeVllm(monkeypatch)
     del fake.vllm.__version__
     monkeypatch.setattr("importlib.metadata.version", _no_distribution)
-    _assert_refused(fake, "cannot tell the installed vLLM's version")
+    _assert_refused(fake, ACCEPTED + ", not an unknown version")
 
 
 def _no_distribution(name: str) -> str:
@@ -311,8 +433,8 @@ class UnslottedBlock:
 @pytest.mark.parametrize(
     ("block_class", "match"),
     [
-        (ExtraFieldBlock, "has fields .*last_access.*not the known"),
-        (ReorderedBlock, "not the known"),
+        (ExtraFieldBlock, "has fields .*last_access.*vLLM 0.33's are"),
+        (ReorderedBlock, "vLLM 0.33's are"),
         (UnslottedBlock, "must be a __slots__ member"),
         (kvqueue.KVCacheBlock, "is not a dataclass"),
         (None, "is not a dataclass"),
@@ -323,7 +445,8 @@ def test_unknown_block_layout_refused(
 ) -> None:
     fake = FakeVllm(monkeypatch, block_class=block_class)
     _assert_refused(fake, match)
-    _assert_refused(fake, match, check_version=False)
+    reordered = block_class in (ExtraFieldBlock, ReorderedBlock)
+    _assert_refused(fake, "the layout of no accepted line" if reordered else match, check_version=False)
 
 
 def test_unknown_queue_api_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,7 +456,7 @@ def test_unknown_queue_api_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
     fake = FakeVllm(monkeypatch, queue_class=NewerQueue)
     fake.pool.FreeKVCacheBlockQueue = NewerQueue
-    _assert_refused(fake, "has methods kvqueue's lacks: popleft_until")
+    _assert_refused(fake, "FreeKVCacheBlockQueue has methods .*popleft_until")
 
 
 def test_foreign_patch_refused(fake: FakeVllm) -> None:
@@ -344,7 +467,7 @@ def test_foreign_patch_refused(fake: FakeVllm) -> None:
     with pytest.raises(kv_vllm.VLLMLayoutError, match=r"block_pool.FreeKVCacheBlockQueue .*Theirs"):
         kv_vllm.install("python")
     assert fake.bindings() == (VllmQueue, Theirs)
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
 
 
 def test_foreign_queue_method_refused_unless_asked(fake: FakeVllm) -> None:
@@ -374,7 +497,7 @@ def test_no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError):
         kv_vllm.install("python")
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
 
 
 def test_empty_queue_threads_vllms_block(fake: FakeVllm, queue_mod: ModuleType) -> None:
@@ -408,7 +531,7 @@ def test_the_bound_name_looks_like_the_class(fake: FakeVllm, queue_mod: ModuleTy
 @pytest.mark.parametrize("policy", ["raise", "repair"])
 def test_install_policy(fake: FakeVllm, queue_mod: ModuleType, policy: str) -> None:
     kv_vllm.install(_implementation(queue_mod), on_misuse=policy)  # type: ignore[arg-type]
-    assert kv_vllm.installed_policy() == policy
+    assert kv_vllm.status()["on_misuse"] == policy
     pool = fake.pool.BlockPool(4)
     assert pool.free_block_queue.on_misuse == policy
     block = pool.free_block_queue.popleft()
@@ -429,7 +552,7 @@ def test_install_policy_none_reads_the_environment(
     fake: FakeVllm, queue_mod: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kv_vllm.install(_implementation(queue_mod))
-    assert kv_vllm.installed_policy() is None
+    assert kv_vllm.status()["on_misuse"] is None
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
     assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "repair"
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "raise")
@@ -441,7 +564,7 @@ def test_install_policy_switches_and_restores(fake: FakeVllm, queue_mod: ModuleT
     kv_vllm.install(impl, on_misuse="raise")
     with kv_vllm.patched(impl, on_misuse="repair"):
         assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "repair"
-    assert kv_vllm.installed_policy() == "raise"
+    assert kv_vllm.status()["on_misuse"] == "raise"
     assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "raise"
     kv_vllm.uninstall()
     assert fake.bindings() == (VllmQueue, VllmQueue)
@@ -451,7 +574,7 @@ def test_install_policy_refused(fake: FakeVllm) -> None:
     with pytest.raises(ValueError, match="on_misuse"):
         kv_vllm.install("python", on_misuse="ignore")  # type: ignore[arg-type]
     assert fake.bindings() == (VllmQueue, VllmQueue)
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
 
 
 def test_full_cache_faked_through_the_pool(fake: FakeVllm, queue_mod: ModuleType) -> None:
@@ -469,11 +592,11 @@ def test_plugin_off_unless_asked(
     fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, value: str | None
 ) -> None:
     if value is None:
-        monkeypatch.delenv(kv_vllm.ENV, raising=False)
+        monkeypatch.delenv(_env.VLLM, raising=False)
     else:
-        monkeypatch.setenv(kv_vllm.ENV, value)
+        monkeypatch.setenv(_env.VLLM, value)
     kv_vllm.plugin()
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
 
@@ -483,12 +606,12 @@ def test_plugin_off_unless_asked(
 def test_plugin_installs_and_is_idempotent(
     fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, value: str, implementation: str | None
 ) -> None:
-    monkeypatch.setenv(kv_vllm.ENV, value)
+    monkeypatch.setenv(_env.VLLM, value)
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
     kv_vllm.plugin()
     expected = implementation or kvqueue.IMPLEMENTATION
-    assert kv_vllm.installed() == expected
-    assert kv_vllm.installed_policy() == "repair"
+    assert kv_vllm.status()["implementation"] == expected
+    assert kv_vllm.status()["on_misuse"] == "repair"
     bound = fake.pool.FreeKVCacheBlockQueue
     kv_vllm.plugin()
     assert fake.pool.FreeKVCacheBlockQueue is bound
@@ -499,11 +622,11 @@ def test_plugin_installs_and_is_idempotent(
 def test_plugin_refuses_unknown_values(
     fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, name: str, value: str
 ) -> None:
-    monkeypatch.setenv(kv_vllm.ENV, "python")
+    monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         kv_vllm.plugin()
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
 
@@ -536,35 +659,121 @@ def test_plugin_keeps_an_applications_policy(
 ) -> None:
     """KVQUEUE_ON_MISUSE unset: the policy the application gave install() stays."""
     kv_vllm.install("python", on_misuse="repair")
-    monkeypatch.setenv(kv_vllm.ENV, "python")
+    monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
     kv_vllm.plugin()
-    assert kv_vllm.installed_policy() == "repair"
+    assert kv_vllm.status()["on_misuse"] == "repair"
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "raise")
     kv_vllm.plugin()  # the environment, set, decides
-    assert kv_vllm.installed_policy() == "raise"
+    assert kv_vllm.status()["on_misuse"] == "raise"
 
 
 @pytest.mark.parametrize("value", ["yes", "true", " 0", "2"])
 def test_plugin_refuses_unknown_guard_switch(
     fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    monkeypatch.setenv(kv_vllm.ENV, "python")
-    monkeypatch.setenv(kv_vllm.POOL_GUARD_ENV, value)
+    monkeypatch.setenv(_env.VLLM, "python")
+    monkeypatch.setenv(_env.POOL_GUARD, value)
     with pytest.raises(ValueError, match="KVQUEUE_POOL_GUARD must be one of '1', '0'"):
         kv_vllm.plugin()
-    assert kv_vllm.installed() is None
+    assert kv_vllm.status()["implementation"] is None
 
 
-def test_reload_keeps_track_of_the_patch(fake: FakeVllm) -> None:
-    import importlib
+def test_a_module_whose_getattr_raises_changes_nothing(fake: FakeVllm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's lazy modules raise from ``__getattr__`` when an optional dependency is
+    missing: install() reads modules' namespaces, so none of them can fail it halfway."""
 
-    from kvqueue import _queue_py
+    def __getattr__(name: str) -> Any:
+        raise ImportError(f"optional dependency for {name} missing")
 
-    kv_vllm.install("python")
-    reloaded = importlib.reload(kv_vllm)
-    assert reloaded.installed() == "python"
-    reloaded.install("python", on_misuse="repair")
-    assert fake.bindings() == (_queue_py.FreeKVCacheBlockQueue,) * 2
-    assert reloaded.uninstall() is True
+    lazy = _module("vllm.lazy", __getattr__=__getattr__)
+    monkeypatch.setitem(sys.modules, lazy.__name__, lazy)
+    queue_class = kv_vllm.install("python")
+    assert fake.bindings() == (queue_class, queue_class)
+    assert kv_vllm.uninstall()
     assert fake.bindings() == (VllmQueue, VllmQueue)
+    assert kv_vllm.status()["guarded"] == []
+
+
+def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeVllm(monkeypatch, version="0.22.1")
+    monkeypatch.setenv(_env.VLLM, "auto")
+    with caplog.at_level("WARNING", logger="kvqueue"):
+        kv_vllm.plugin()
+    assert kv_vllm.status()["implementation"] is None
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+    assert fake.pool.BlockPool.free_blocks.__module__ == POOL
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert "kvqueue stays off (KVQUEUE_VLLM=auto)" in record.getMessage()
+    assert "0.23, 0.24" in record.getMessage()
+
+
+@pytest.mark.parametrize("value", ["1", "python"])
+def test_plugin_strict_stops_a_line_it_does_not_accept(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    fake = FakeVllm(monkeypatch, version="0.34.0")
+    monkeypatch.setenv(_env.VLLM, value)
+    with pytest.raises(kv_vllm.VLLMLayoutError, match=ACCEPTED):
+        kv_vllm.plugin()
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+
+
+ENVIRONMENTS = [
+    {},
+    {"KVQUEUE_VLLM": "1"},
+    {"KVQUEUE_VLLM": "auto"},
+    {"KVQUEUE_VLLM": "python", "KVQUEUE_POOL_GUARD": "0"},
+    {"KVQUEUE_VLLM": "1", "KVQUEUE_POOL_GUARD": "off"},
+    {"KVQUEUE_VLLM": "maybe"},
+    {"KVQUEUE_VLLM": "1", "KVQUEUE_ON_MISUSE": "fix"},
+    {"KVQUEUE_ON_MISUSE": "fix"},
+    {"KVQUEUE_VLLM": "1", "KVQUEUE_WRAP_FOREIGN": "1"},
+]
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.22.1"])
+@pytest.mark.parametrize("environment", ENVIRONMENTS, ids=str)
+@pytest.mark.parametrize("foreign", [False, True], ids=["own", "foreign"])
+def test_the_plan_is_what_the_plugin_does(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], version: str, foreign: bool
+) -> None:
+    """``python -m kvqueue`` prints kvqueue._vllm_plugin.plan(): the plugin carries it out."""
+    from kvqueue import _vllm_plugin
+
+    line = LINES[0] if version == "0.22.1" else _vllm_lines_find(version)
+    fake = FakeVllm(monkeypatch, version=version, line=line)
+    if foreign:
+        patch = _module("theirs")
+        exec("def touch(self, blocks): pass", patch.__dict__)
+        fake.pool.BlockPool.touch = patch.touch
+    for name in _env.USER:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    plan = _vllm_plugin.plan()
+    try:
+        kv_vllm.plugin()
+    except Exception as exc:
+        assert plan.action == "refuse", exc
+        assert str(exc) == plan.reason
+        assert kv_vllm.status()["implementation"] is None
+        return
+    did = kv_vllm.status()
+    if did["implementation"] is None:
+        assert plan.action in ("off", "stay_off")
+    else:
+        assert plan.action == "install"
+        assert plan.settings is not None
+        assert did["pool_guard"] == plan.settings["pool_guard"]
+
+
+def _vllm_lines_find(version: str) -> Line:
+    from kvqueue._vllm_lines import find
+
+    line = find(version)
+    assert line is not None
+    return line

@@ -17,10 +17,23 @@ from ._block import KVCacheBlock
 __all__ = ("IMPLEMENTATION", "FreeKVCacheBlockQueue", "KVCacheBlock", "__version__")
 __version__ = "0.1.0"
 
+
+
+def _pure() -> bool:
+    try:
+        return _env.flag(_env.PURE)
+    except ValueError:
+        # `python -m kvqueue` imports this package first: it reports the bad value.
+        argv = sys.orig_argv
+        if not any(a == "-m" and b == "kvqueue" for a, b in zip(argv, argv[1:])):
+            raise
+        return False
+
+
 IMPLEMENTATION: str
 if TYPE_CHECKING:
     from ._queue_py import FreeKVCacheBlockQueue
-elif _env.flag(_env.PURE) or sys.implementation.name != "cpython":
+elif _pure() or sys.implementation.name != "cpython":
     from ._queue_py import FreeKVCacheBlockQueue
 
     IMPLEMENTATION = "python"

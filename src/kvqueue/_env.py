@@ -14,6 +14,7 @@ from typing import TypeVar
 
 __all__ = (
     "FLAG",
+    "MEANINGS",
     "MISUSE_POLICY",
     "POOL_GUARD",
     "PURE",
@@ -37,8 +38,17 @@ POOL_GUARD = "KVQUEUE_POOL_GUARD"
 #: ``1``: the plugin installs over another project's patch of vLLM.
 WRAP_FOREIGN = "KVQUEUE_WRAP_FOREIGN"
 
-#: Every variable a user sets, in the order ``python -m kvqueue`` and the README list them.
-USER = (VLLM, MISUSE_POLICY, POOL_GUARD, WRAP_FOREIGN, PURE)
+#: Every variable a user sets, in the order ``python -m kvqueue`` and the README list them,
+#: with what it does (the README's table of settings is checked against these).
+MEANINGS: Mapping[str, str] = {
+    VLLM: "1, cython or python: the vLLM plugin installs kvqueue (a vLLM it does not accept "
+    "does not start); auto: installs, or stays off with a warning; 0 or unset: off",
+    MISUSE_POLICY: "raise (default) or repair: the misuse policy of queues and pool guards",
+    POOL_GUARD: "0: the vLLM plugin leaves BlockPool's methods unguarded (1 or unset: guarded)",
+    WRAP_FOREIGN: "1: the vLLM plugin installs over another project's patch (0 or unset: refuses)",
+    PURE: "1: import kvqueue loads the pure twin (0 or unset: the compiled one)",
+}
+USER = tuple(MEANINGS)
 
 #: The values of an on/off variable.
 FLAG: Mapping[str, bool] = {"1": True, "0": False}

@@ -90,7 +90,7 @@ def originals(pool_class: type, *, wrap_foreign: bool) -> dict[str, Any]:
 
 
 def guard(
-    pool_class: type, screen: ModuleType, policy_of: PolicyOf, *, wrap_foreign: bool
+    pool_class: type, screen: ModuleType, policy_of: PolicyOf, *, wrap_foreign: bool, line: Any
 ) -> dict[str, Any]:
     """Replace each guarded method ``pool_class`` has with its guard; return the originals.
     Raises as :func:`originals` does, before it changes anything."""

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 from typing import Any
 
-__all__ = ("LINES", "Line", "LineMismatch", "accepted", "find", "mismatch", "parse")
+__all__ = ("LINES", "Line", "VLLMLayoutError", "accepted", "find", "line_of", "mismatch", "parse")
 
 _FIELDS_023 = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null")
 _FIELDS_024 = (*_FIELDS_023[:3], "_block_hash_num_tokens", *_FIELDS_023[3:])
@@ -102,8 +102,8 @@ LINES: tuple[Line, ...] = (
 )
 
 
-class LineMismatch(Exception):
-    """What an installed vLLM has that its line's row does not say (the message)."""
+class VLLMLayoutError(RuntimeError):
+    """The installed vLLM is not one kvqueue knows how to patch; nothing was changed."""
 
 
 def accepted() -> str:
@@ -151,3 +151,39 @@ def mismatch(line: Line, block_class: type, queue_class: type, pool_class: type)
         if params != expected:
             return f"BlockPool.{name}{params} differs from vLLM {line.name}'s {expected}"
     return None
+
+
+def line_of(
+    version: str | None,
+    block_class: Any,
+    queue_class: type,
+    pool_class: type,
+    *,
+    check_version: bool = True,
+) -> Line:
+    """The line of the installed vLLM, its classes checked against that line's row.
+
+    ``check_version=False`` takes the first line whose row the classes match, whatever
+    the version says. Raises :class:`VLLMLayoutError` naming the accepted lines.
+    """
+    line = find(version) if version is not None else None
+    if line is not None:
+        problem = mismatch(line, block_class, queue_class, pool_class)
+        if problem is None:
+            return line
+        if check_version:
+            raise VLLMLayoutError(
+                f"vLLM {version} is not what kvqueue knows of vLLM {line.name}: {problem}"
+            )
+    elif check_version:
+        seen = "an unknown version" if version is None else f"vLLM {version}"
+        raise VLLMLayoutError(
+            f"kvqueue accepts the vLLM lines whose own suites pass with it ({accepted()}), "
+            f"not {seen}; install(check_version=False) tries the line whose layout this "
+            "vLLM has"
+        )
+    for candidate in reversed(LINES):
+        if mismatch(candidate, block_class, queue_class, pool_class) is None:
+            return candidate
+    problem = mismatch(LINES[-1], block_class, queue_class, pool_class)
+    raise VLLMLayoutError(f"vLLM {version} has the layout of no accepted line ({problem})")

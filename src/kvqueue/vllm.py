@@ -1,41 +1,29 @@
-"""Drop kvqueue's queue into an installed vLLM: ``kvqueue.vllm.install()``.
+"""Drop kvqueue's queue and pool guard into an installed vLLM: :func:`install`.
 
-vLLM's ``BlockPool`` builds its free list with the name ``FreeKVCacheBlockQueue``
-that ``vllm.v1.core.block_pool`` imports from ``vllm.v1.core.kv_cache_utils``.
-:func:`install` rebinds that name, in both modules (and in any other loaded
-``vllm.*`` module that imported it), to a stand-in class whose call builds kvqueue's
-``FreeKVCacheBlockQueue`` (``isinstance`` against the name still holds). vLLM's own
-``KVCacheBlock`` is left unchanged: the queue threads the blocks it is built from,
-and an empty queue built through the name threads vLLM's ``KVCacheBlock`` (kvqueue's
-own default is ``kvqueue.KVCacheBlock``). Queues built through the name get the
-``on_misuse`` policy given to :func:`install`. Pools built after :func:`install` use
-kvqueue; pools built before keep the queue they have.
+vLLM's ``BlockPool`` builds its free list with the name ``FreeKVCacheBlockQueue`` that
+``vllm.v1.core.block_pool`` imports from ``vllm.v1.core.kv_cache_utils``. :func:`install`
+rebinds that name, in every loaded ``vllm.*`` module that holds it, to a stand-in class whose
+call builds kvqueue's queue (``isinstance`` against the name still holds), and guards the
+``BlockPool`` methods that move reference counts (``kvqueue._pool_guard``). vLLM's own
+``KVCacheBlock`` is left unchanged. Pools built after :func:`install` use kvqueue; pools built
+before keep the queue they have.
 
-Before it patches anything, :func:`install` checks the installed vLLM: its
-version must be one whose own test suites kvqueue runs (0.33), its
-``KVCacheBlock`` must have exactly the known fields with ``__slots__`` links,
-and every public method of vLLM's queue must exist on kvqueue's. Anything else
-raises :class:`VLLMLayoutError` and leaves vLLM untouched.
+Before it changes anything, :func:`install` checks the installed vLLM against the table of
+accepted lines (``kvqueue._vllm_lines``: 0.23 to 0.33, each proven by its own release's
+suites): its version, its ``KVCacheBlock`` fields, its queue's methods and its pool's guarded
+methods. Anything else raises :class:`VLLMLayoutError` and leaves vLLM untouched. Importing
+this module does not import vLLM.
 
-Importing this module does not import vLLM; :func:`install` does.
-
-vLLM's plugin entry point (group ``vllm.general_plugins``, name ``kvqueue``) is
-:func:`plugin`: vLLM calls it in every process it starts, and it installs only when
-``KVQUEUE_VLLM`` asks (``1``/``auto``, ``cython``, ``python``); the queues' policy is
-``KVQUEUE_ON_MISUSE``. ``VLLM_PLUGINS``, when set, must name ``kvqueue`` (vLLM decides).
-
-It patches the calling process. vLLM's engine core, where the block pool lives, runs in a
-child process by default: a forked child (vLLM's default start method) inherits the patch;
-a spawned one does not, so there call :func:`install` in the child too, or keep the engine
-core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+vLLM's plugin entry point (group ``vllm.general_plugins``) is :func:`plugin`
+(``kvqueue._vllm_plugin``): it installs when ``KVQUEUE_VLLM`` asks. It patches the calling
+process; vLLM's engine core runs in a child process, which a fork (vLLM's default) inherits
+the patch into and which the plugin, called in every process vLLM starts, patches otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -43,23 +31,19 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _env, _policy, _pool_guard
+from . import _log, _policy, _pool_guard, _vllm_lines
 from ._block import check_block_type
 from ._pool_guard import pool_repairs
+from ._vllm_lines import Line, VLLMLayoutError
+from ._vllm_plugin import plugin
 
 __all__ = (
-    "ENV",
-    "KNOWN_VERSIONS",
-    "POOL_GUARD_ENV",
-    "WRAP_FOREIGN_ENV",
+    "Implementation",
     "VLLMLayoutError",
     "check",
     "install",
-    "installed",
-    "installed_policy",
     "patched",
     "plugin",
-    "plugin_settings",
     "pool_repairs",
     "status",
     "uninstall",
@@ -67,43 +51,9 @@ __all__ = (
 
 Implementation = Literal["auto", "cython", "python"]
 
-#: The vLLM minor versions whose own test suites pass with kvqueue installed (vllm_tests/):
-#: only what is tested is accepted; ``install(check_version=False)`` tries another.
-KNOWN_VERSIONS: tuple[tuple[int, int], ...] = ((0, 33),)
-
-#: ``dataclasses.fields(vllm.v1.core.kv_cache_utils.KVCacheBlock)``, in order.
-KNOWN_BLOCK_FIELDS: tuple[str, ...] = (
-    "block_id",
-    "ref_cnt",
-    "pool",
-    "_block_hash",
-    "_block_hash_num_tokens",
-    "prev_free_block",
-    "next_free_block",
-    "is_null",
-)
-
-#: The variable that turns :func:`plugin` on, and names the implementation.
-ENV = _env.VLLM
-#: ``0`` turns the pool guard off (the plugin reads it; install() takes ``pool_guard``).
-POOL_GUARD_ENV = _env.POOL_GUARD
-#: ``1``: the plugin installs over another project's patch (install()'s ``wrap_foreign``).
-WRAP_FOREIGN_ENV = _env.WRAP_FOREIGN
-_PLUGIN_CHOICES: dict[str, Implementation | None] = {
-    "0": None,
-    "1": "auto",
-    "auto": "auto",
-    "cython": "cython",
-    "python": "python",
-}
-
 _UTILS = "vllm.v1.core.kv_cache_utils"
 _POOL = "vllm.v1.core.block_pool"
 _NAME = "FreeKVCacheBlockQueue"
-
-
-class VLLMLayoutError(RuntimeError):
-    """The installed vLLM is not one kvqueue knows how to patch; nothing was changed."""
 
 
 class _QueueName(type):
@@ -154,7 +104,6 @@ def _queue_name(
         "queue_class": queue_class,
         "block_type": block_type,
         "on_misuse": on_misuse,
-        "__kvqueue_standin__": True,
     }
     return _QueueName(_NAME, (), namespace)
 
@@ -164,6 +113,7 @@ class _Installed:
     implementation: str
     queue_class: type
     on_misuse: _policy.MisusePolicy | None
+    line: Line
     # What vLLM's FreeKVCacheBlockQueue name is bound to now, and vLLM's own class.
     bound: _QueueName
     original: type
@@ -173,16 +123,8 @@ class _Installed:
     wrap_foreign: bool
 
 
-# The state lives in vLLM's module, beside the name it patched: a reloaded
-# kvqueue.vllm (a new module-global namespace) still finds it there.
-_STATE = "__kvqueue_installed__"
-_logger = logging.getLogger("kvqueue")
+_installed: _Installed | None = None
 _lock = threading.RLock()
-
-
-def _state() -> _Installed | None:
-    utils = sys.modules.get(_UTILS)
-    return getattr(utils, _STATE, None) if utils is not None else None
 
 
 def install(
@@ -201,43 +143,54 @@ def install(
     caller passes its own; None leaves the choice to ``KVQUEUE_ON_MISUSE``, read when each
     queue is built. A pool's guard follows its queue's policy. ``pool_guard=False`` leaves
     ``BlockPool``'s methods as they are. Calling it again is a no-op, or switches the
-    implementation, the policy or the guard.
-    ``check_version=False`` skips the version check only; the block layout is always checked.
-    ``wrap_foreign=True`` accepts a queue class or pool method that another project
-    patched: the guard wraps that pool method, and kvqueue's queue replaces that queue
-    (a warning names what is replaced).
+    implementation, the policy or the guard; a switch of twin replaces each guarded method
+    in one step, so no call runs unguarded in between.
+    ``check_version=False`` takes the accepted line whose layout this vLLM has, whatever its
+    version says; the layout is always checked. ``wrap_foreign=True`` accepts a queue class
+    or pool method that another project patched: the guard wraps that pool method, and
+    kvqueue's queue replaces that queue (a warning names what is replaced).
 
-    Raises :class:`VLLMLayoutError` on a vLLM it does not know, or one another project
+    Raises :class:`VLLMLayoutError` on a vLLM it does not accept, or one another project
     patched (unless ``wrap_foreign``); ``ImportError`` when vLLM (or the requested
     implementation) cannot be imported; ValueError for an unknown ``implementation`` or
     ``on_misuse``. On any error nothing is changed.
     """
+    global _installed
     if on_misuse is not None:
         on_misuse = _policy.resolve(on_misuse)
     queue_class, name = _queue_class(implementation)
     screen = _screen_module(name)
     with _lock:
-        state = _state()
+        state = _installed
         if state is None:
             state = _checked(check_version, wrap_foreign, queue_class, name, on_misuse)
-            # Guard first: it may still refuse, and then nothing has changed.
+            originals = _originals(state.pool_class, state.wrap_foreign) if pool_guard else {}
+            # Every module is read before anything is written: a module whose attribute
+            # access raises stops the install with nothing changed.
+            targets = _holders(state.original)
             if pool_guard:
-                state.pool_originals = _guard(state.pool_class, screen, wrap_foreign)
-            setattr(sys.modules[_UTILS], _STATE, state)
-            _rebind(state.bound, state.original)
+                state.pool_originals = _guard(state, screen)
+            _bind(targets, state.bound)
+            _installed = state
         else:
-            state.wrap_foreign = state.wrap_foreign or wrap_foreign
-            if state.implementation != name or bool(state.pool_originals) != pool_guard:
+            wrap_foreign = state.wrap_foreign or wrap_foreign
+            rebind = state.queue_class is not queue_class or state.on_misuse != on_misuse
+            targets = _holders(None) if rebind else []
+            if pool_guard and (state.implementation != name or not state.pool_originals):
+                if not state.pool_originals:
+                    _originals(state.pool_class, wrap_foreign)
+                state.wrap_foreign = wrap_foreign
+                state.pool_originals = _guard(state, screen)
+            elif not pool_guard and state.pool_originals:
                 _pool_guard.unguard(state.pool_class, state.pool_originals)
                 state.pool_originals = {}
-                if pool_guard:
-                    state.pool_originals = _guard(state.pool_class, screen, state.wrap_foreign)
-            if state.queue_class is not queue_class or state.on_misuse != on_misuse:
+            state.wrap_foreign = wrap_foreign
+            if rebind:
                 state.bound = _queue_name(queue_class, state.bound.block_type, on_misuse)
-                _rebind(state.bound)
-                state.queue_class, state.implementation = queue_class, name
-                state.on_misuse = on_misuse
-        _forward_to_vllm_log(True)
+                _bind(targets, state.bound)
+            state.queue_class, state.implementation = queue_class, name
+            state.on_misuse = on_misuse
+        _log.forward_to_vllm(True)
         return queue_class
 
 
@@ -250,31 +203,54 @@ def _checked(
 ) -> _Installed:
     """The state of a first install, from a vLLM checked to be one kvqueue can patch."""
     vllm = importlib.import_module("vllm")
-    if check_version:
-        _check_version(vllm)
     utils = importlib.import_module(_UTILS)
-    original = getattr(utils, _NAME, None)
-    if not isinstance(original, type):
-        raise VLLMLayoutError(f"{_UTILS} defines no {_NAME} class")
-    block_class = getattr(utils, "KVCacheBlock", None)
-    _check_block_class(block_class)
-    _check_queue_api(original, queue_class)
     # Importing the pool binds its own name to vLLM's class; that is the one used.
     pool = importlib.import_module(_POOL)
-    pool_class = getattr(pool, "BlockPool", None)
+    original = vars(utils).get(_NAME)
+    if not isinstance(original, type):
+        raise VLLMLayoutError(f"{_UTILS} defines no {_NAME} class")
+    block_class = vars(utils).get("KVCacheBlock")
+    pool_class = vars(pool).get("BlockPool")
     if not isinstance(pool_class, type):
         raise VLLMLayoutError(f"{_POOL} defines no BlockPool class")
-    foreign = _foreign_queue(original, getattr(pool, _NAME, None))
+    version = _version(vllm)
+    line = _vllm_lines.line_of(
+        version, block_class, original, pool_class, check_version=check_version
+    )
+    try:
+        check_block_type(block_class)
+    except TypeError as exc:
+        raise VLLMLayoutError(f"{_UTILS}.KVCacheBlock: {exc}") from exc
+    missing = sorted(m for m in line.queue_methods if not hasattr(queue_class, m))
+    if missing:
+        raise VLLMLayoutError(f"vLLM's {_NAME} has methods kvqueue's lacks: {', '.join(missing)}")
+    foreign = _foreign_queue(original, vars(pool).get(_NAME))
     if foreign and not wrap_foreign:
         raise VLLMLayoutError(
             f"{foreign}; kvqueue would bypass that patch. install(wrap_foreign=True) "
             "(KVQUEUE_WRAP_FOREIGN=1) replaces it with kvqueue's queue anyway"
         )
     if foreign:
-        _logger.warning("kvqueue: %s; kvqueue's queue replaces it (wrap_foreign)", foreign)
+        _log.logger.warning("kvqueue: %s; kvqueue's queue replaces it (wrap_foreign)", foreign)
     assert isinstance(block_class, type)
     bound = _queue_name(queue_class, block_class, on_misuse)
-    return _Installed(name, queue_class, on_misuse, bound, original, pool_class, {}, wrap_foreign)
+    return _Installed(
+        name, queue_class, on_misuse, line, bound, original, pool_class, {}, wrap_foreign
+    )
+
+
+def _version(vllm: ModuleType) -> str | None:
+    """vLLM's version as vLLM says it (``vllm.__version__``), else its distribution's."""
+    version = vars(vllm).get("__version__")
+    if isinstance(version, str):
+        return version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("vllm")
+    except PackageNotFoundError:
+        return None
 
 
 def _foreign_queue(original: type, pool_name: object) -> str | None:
@@ -296,9 +272,22 @@ def _describe(obj: object) -> str:
     return f"{module}.{name}"
 
 
-def _guard(pool_class: type, screen: ModuleType, wrap_foreign: bool) -> dict[str, Any]:
+def _originals(pool_class: type, wrap_foreign: bool) -> dict[str, Any]:
     try:
-        return _pool_guard.guard(pool_class, screen, _pool_policy, wrap_foreign=wrap_foreign)
+        return _pool_guard.originals(pool_class, wrap_foreign=wrap_foreign)
+    except _pool_guard.ForeignPatch as exc:
+        raise _foreign_method(exc) from None
+
+
+def _guard(state: _Installed, screen: ModuleType) -> dict[str, Any]:
+    try:
+        return _pool_guard.guard(
+            state.pool_class,
+            screen,
+            _pool_policy,
+            wrap_foreign=state.wrap_foreign,
+            line=state.line,
+        )
     except _pool_guard.ForeignPatch as exc:
         raise _foreign_method(exc) from None
 
@@ -315,23 +304,29 @@ def _pool_policy(pool: Any) -> _policy.MisusePolicy:
     policy = getattr(pool.free_block_queue, "on_misuse", None)
     if policy in ("raise", "repair"):
         return _policy.resolve(policy)
-    state = _state()
+    state = _installed
     return _policy.resolve(state.on_misuse if state is not None else None)
 
 
-def _rebind(bound: Any, original: Any = None) -> None:
-    """Bind vLLM's name to ``bound`` in every loaded ``vllm.*`` module that holds vLLM's
-    class or a kvqueue stand-in, whenever it was imported; None puts vLLM's class back."""
+def _holders(original: type | None) -> list[ModuleType]:
+    """Every loaded ``vllm.*`` module whose name holds a kvqueue stand-in, or ``original``.
+
+    Read from each module's namespace: a module's own ``__getattr__`` (vLLM's lazy imports)
+    is never run, so no module can fail the scan.
+    """
+    found = []
     for key, module in list(sys.modules.items()):
-        if not (key == "vllm" or key.startswith("vllm.")) or module is None:
+        if not (key == "vllm" or key.startswith("vllm.")) or not isinstance(module, ModuleType):
             continue
-        value = getattr(module, _NAME, None)
-        if value is None:
-            continue
-        if getattr(value, "__kvqueue_standin__", False) or (
-            original is not None and value is original
-        ):
-            setattr(module, _NAME, bound)
+        value = vars(module).get(_NAME)
+        if type(value) is _QueueName or (original is not None and value is original):
+            found.append(module)
+    return found
+
+
+def _bind(modules: list[ModuleType], value: Any) -> None:
+    for module in modules:
+        vars(module)[_NAME] = value
 
 
 def uninstall() -> bool:
@@ -342,27 +337,17 @@ def uninstall() -> bool:
     :func:`install` is left as they set it. Pools built while kvqueue was installed keep
     their kvqueue queues.
     """
+    global _installed
     with _lock:
-        state = _state()
+        state = _installed
         if state is None:
             return False
+        targets = _holders(None)
         _pool_guard.unguard(state.pool_class, state.pool_originals)
-        _rebind(state.original)
-        delattr(sys.modules[_UTILS], _STATE)
-        _forward_to_vllm_log(False)
+        _bind(targets, state.original)
+        _installed = None
+        _log.forward_to_vllm(False)
         return True
-
-
-def installed() -> str | None:
-    """The implementation installed into vLLM (``"cython"`` or ``"python"``), or None."""
-    state = _state()
-    return None if state is None else state.implementation
-
-
-def installed_policy() -> _policy.MisusePolicy | None:
-    """The ``on_misuse`` given to :func:`install`; None: the environment decides, or none."""
-    state = _state()
-    return None if state is None else state.on_misuse
 
 
 def status() -> dict[str, Any]:
@@ -370,12 +355,14 @@ def status() -> dict[str, Any]:
 
     ``implementation``: ``"cython"``, ``"python"`` or None (not installed); ``on_misuse``:
     the policy given to :func:`install` (None: ``KVQUEUE_ON_MISUSE`` decides per queue);
-    ``pool_guard``: whether ``BlockPool``'s methods are guarded, and ``guarded``: which.
+    ``line``: the vLLM line it was checked against (``"0.31"``); ``pool_guard``: whether
+    ``BlockPool``'s methods are guarded, and ``guarded``: which.
     """
-    state = _state()
+    state = _installed
     return {
         "implementation": None if state is None else state.implementation,
         "on_misuse": None if state is None else state.on_misuse,
+        "line": None if state is None else state.line.name,
         "pool_guard": bool(state is not None and state.pool_originals),
         "guarded": [] if state is None else sorted(state.pool_originals),
     }
@@ -389,7 +376,7 @@ def patched(
     pool_guard: bool = True,
 ) -> Iterator[type]:
     """``with kvqueue.vllm.patched():`` install for the block only (as it was after)."""
-    was = _state()
+    was = _installed
     before = None if was is None else (was.implementation, was.on_misuse, bool(was.pool_originals))
     queue_class = install(implementation, on_misuse=on_misuse, pool_guard=pool_guard)
     try:
@@ -399,7 +386,7 @@ def patched(
             uninstall()
         else:
             install(
-                _as_implementation(before[0]),
+                "cython" if before[0] == "cython" else "python",
                 check_version=False,
                 on_misuse=before[1],
                 pool_guard=before[2],
@@ -413,96 +400,11 @@ def check(implementation: Implementation = "auto", *, wrap_foreign: bool = False
     """
     queue_class, name = _queue_class(implementation)
     with _lock:
-        if _state() is not None:
+        if _installed is not None:
             return
         state = _checked(True, wrap_foreign, queue_class, name, None)
-        try:
-            _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
-        except _pool_guard.ForeignPatch as exc:
-            raise _foreign_method(exc) from None
-
-
-def plugin_settings() -> dict[str, Any] | None:
-    """What :func:`plugin` would install, read from the environment; None: nothing.
-
-    Keys: ``implementation``, ``on_misuse`` (None: each queue reads ``KVQUEUE_ON_MISUSE``,
-    or an application's own :func:`install` policy stays), ``pool_guard``, ``wrap_foreign``.
-    Raises ValueError, naming the variable and its values, for a value none of them takes.
-    """
-    implementation = _env.choice(ENV, _PLUGIN_CHOICES, None)
-    if implementation is None:
-        return None
-    policy = _policy.resolve(None) if os.environ.get(_policy.ENV) else installed_policy()
-    return {
-        "implementation": implementation,
-        "on_misuse": policy,
-        "pool_guard": _env.flag(POOL_GUARD_ENV, default=True),
-        "wrap_foreign": _env.flag(WRAP_FOREIGN_ENV),
-    }
-
-
-def plugin() -> None:
-    """vLLM's ``vllm.general_plugins`` entry point: :func:`install` if ``KVQUEUE_VLLM`` says so.
-
-    Unset, empty or ``0``: does nothing (not even import vLLM). ``1`` or ``auto``, ``cython``,
-    ``python``: installs that implementation, with the policy ``KVQUEUE_ON_MISUSE`` names
-    (read now, to fail at startup rather than at the first queue; unset keeps a policy an
-    application gave :func:`install` itself), the pool guard unless ``KVQUEUE_POOL_GUARD=0``,
-    and ``wrap_foreign`` if ``KVQUEUE_WRAP_FOREIGN=1`` (:func:`plugin_settings`). Logs one
-    line in vLLM's log when it activates. Safe to call again: a repeated call with the same
-    settings changes nothing.
-
-    Raises ValueError for another value of any of these variables, and whatever
-    :func:`install` raises: asked for kvqueue, vLLM does not start without it.
-    """
-    settings = plugin_settings()
-    if settings is None:
-        return
-    before = status()
-    install(**settings)
-    after = status()
-    if after != before:
-        import kvqueue
-
-        _logger.info(
-            "kvqueue %s active: vLLM's free block queue is kvqueue's %s twin, pool guard %s, "
-            "on_misuse=%s",
-            kvqueue.__version__,
-            after["implementation"],
-            "on (" + ", ".join(after["guarded"]) + ")" if after["pool_guard"] else "off",
-            after["on_misuse"] or _policy.resolve(None),
-        )
-
-
-class _ToVLLMLog(logging.Handler):
-    """Hands kvqueue's records to vLLM's handler: its stream, format, time and process."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        target = logging.getLogger("vllm")
-        if target.handlers:
-            target.handle(record)
-        else:
-            # Before vLLM configures its logging (or with VLLM_CONFIGURE_LOGGING=0):
-            # what Python does for a logger without handlers.
-            last = logging.lastResort
-            if not logging.getLogger().handlers and last and record.levelno >= last.level:
-                last.handle(record)
-
-
-def _forward_to_vllm_log(on: bool) -> None:
-    handlers = [h for h in _logger.handlers if type(h).__name__ == _ToVLLMLog.__name__]
-    if on and not handlers:
-        _logger.addHandler(_ToVLLMLog())
-        # The active line is INFO: let it through unless the application set a level.
-        if _logger.level == logging.NOTSET:
-            _logger.setLevel(logging.INFO)
-    elif not on:
-        for handler in handlers:
-            _logger.removeHandler(handler)
-
-
-def _as_implementation(name: str) -> Implementation:
-    return "cython" if name == "cython" else "python"
+        _originals(state.pool_class, wrap_foreign)
+        _holders(state.original)
 
 
 def _queue_class(implementation: str) -> tuple[type, str]:
@@ -534,63 +436,3 @@ def _screen_module(implementation: str) -> ModuleType:
     from . import _screen_py
 
     return _screen_py
-
-
-def _parse_version(text: str) -> tuple[int, int] | None:
-    parts = text.split(".")
-    if len(parts) < 2:
-        return None
-    minor = ""
-    for char in parts[1]:
-        if not char.isdigit():
-            break
-        minor += char
-    if not parts[0].isdigit() or not minor:
-        return None
-    return int(parts[0]), int(minor)
-
-
-def _check_version(vllm: ModuleType) -> None:
-    version = getattr(vllm, "__version__", None)
-    if not isinstance(version, str):
-        try:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("vllm")
-        except Exception as exc:
-            raise VLLMLayoutError(
-                "cannot tell the installed vLLM's version (no vllm.__version__); "
-                "install(check_version=False) skips this check"
-            ) from exc
-    if _parse_version(version) not in KNOWN_VERSIONS:
-        known = ", ".join(f"{major}.{minor}" for major, minor in KNOWN_VERSIONS)
-        raise VLLMLayoutError(
-            f"kvqueue.vllm knows the block layout of vLLM {known}, not of vLLM {version}: "
-            "only the vLLM versions whose own tests pass with kvqueue are accepted; "
-            "install(check_version=False) skips the version check (the block class's "
-            "fields are still checked)"
-        )
-
-
-def _check_block_class(block_class: object) -> None:
-    if not isinstance(block_class, type) or not dataclasses.is_dataclass(block_class):
-        raise VLLMLayoutError(f"{_UTILS}.KVCacheBlock is not a dataclass: {block_class!r}")
-    fields = tuple(f.name for f in dataclasses.fields(block_class))
-    if fields != KNOWN_BLOCK_FIELDS:
-        raise VLLMLayoutError(
-            f"{_UTILS}.KVCacheBlock has fields {fields}, not the known {KNOWN_BLOCK_FIELDS}"
-        )
-    try:
-        check_block_type(block_class)
-    except TypeError as exc:
-        raise VLLMLayoutError(f"{_UTILS}.KVCacheBlock: {exc}") from exc
-
-
-def _check_queue_api(original: type, queue_class: type) -> None:
-    missing = sorted(
-        name
-        for name in vars(original)
-        if not name.startswith("_") and not hasattr(queue_class, name)
-    )
-    if missing:
-        raise VLLMLayoutError(f"vLLM's {_NAME} has methods kvqueue's lacks: {', '.join(missing)}")

@@ -1,0 +1,141 @@
+"""vLLM's plugin (``vllm.general_plugins``): what the environment asks of kvqueue, decided once.
+
+:func:`plan` reads every variable and checks the installed vLLM, changing nothing;
+:func:`plugin` carries that plan out, and ``python -m kvqueue`` prints it, so the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+from . import _env, _log, _policy, _vllm_lines
+
+__all__ = ("Plan", "plan", "plugin")
+
+#: ``KVQUEUE_VLLM``'s values: the twin, and whether a vLLM kvqueue refuses stops vLLM
+#: (strict) or leaves kvqueue off with a warning (``auto``).
+_CHOICES: dict[str, tuple[str, bool] | None] = {
+    "0": None,
+    "1": ("auto", True),
+    "cython": ("cython", True),
+    "python": ("python", True),
+    "auto": ("auto", False),
+}
+
+Action = Literal["off", "install", "stay_off", "refuse"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`plugin` does in this environment.
+
+    ``action``: ``"off"`` (``KVQUEUE_VLLM`` unset or 0: nothing, vLLM not even imported),
+    ``"install"`` (``install(**settings)``), ``"stay_off"`` (``KVQUEUE_VLLM=auto`` on a vLLM
+    kvqueue does not accept: one WARNING in vLLM's log, vLLM untouched) or ``"refuse"``
+    (the plugin raises ``error``, and vLLM does not start). ``reason`` says why.
+    """
+
+    action: Action
+    reason: str
+    settings: dict[str, Any] | None = None
+    error: Exception | None = None
+    #: Every variable's bad value, whatever the action (an off plugin reads none of them).
+    problems: tuple[str, ...] = ()
+
+
+def plan() -> Plan:
+    """What the plugin would do now: every variable read, vLLM checked, nothing changed."""
+    found: list[str] = []
+    asked = _read(lambda: _env.choice(_env.VLLM, _CHOICES, None), found)
+    vllm_value_bad = bool(found)
+    policy = _read(lambda: _policy.resolve(None), found)
+    guard = _read(lambda: _env.flag(_env.POOL_GUARD, default=True), found)
+    wrap = _read(lambda: _env.flag(_env.WRAP_FOREIGN), found)
+    problems = tuple(found)
+    if asked is None and not vllm_value_bad:
+        return Plan("off", f"{_env.VLLM} unset or 0", problems=problems)
+    if problems:
+        why = "; ".join(problems)
+        return Plan("refuse", why, error=ValueError(why), problems=problems)
+    from . import vllm
+
+    implementation, strict = asked
+    state = vllm.status()
+    settings = {
+        "implementation": implementation,
+        # Unset, an application's own install() policy stays.
+        "on_misuse": policy if os.environ.get(_env.MISUSE_POLICY) else state["on_misuse"],
+        "pool_guard": guard,
+        "wrap_foreign": wrap,
+    }
+    try:
+        vllm.check(implementation, wrap_foreign=wrap)  # type: ignore[arg-type]
+    except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
+        return Plan("refuse" if strict else "stay_off", str(exc), settings, exc)
+    return Plan("install", f"{_env.VLLM}={os.environ[_env.VLLM]}", settings)
+
+
+def _read(read: Any, problems: list[str]) -> Any:
+    try:
+        return read()
+    except ValueError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def plugin() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point: what :func:`plan` says.
+
+    ``KVQUEUE_VLLM`` unset, empty or ``0``: nothing (not even an import of vLLM). ``1``,
+    ``cython`` or ``python``: installs that twin (``1``: whichever ``import kvqueue`` picks),
+    with the policy ``KVQUEUE_ON_MISUSE`` names, the pool guard unless
+    ``KVQUEUE_POOL_GUARD=0``, over another project's patch if ``KVQUEUE_WRAP_FOREIGN=1``;
+    on a vLLM kvqueue does not accept it raises, and vLLM does not start. ``auto``: the
+    same, except that on such a vLLM it logs one WARNING line saying why kvqueue stays off
+    and leaves vLLM untouched. Logs one line in vLLM's log when it activates; a repeated
+    call with the same settings changes nothing.
+
+    Raises ValueError for a value none of these variables takes, and, strict, whatever
+    :func:`kvqueue.vllm.install` raises.
+    """
+    decided = plan()
+    if decided.action == "off":
+        return
+    if decided.action == "refuse":
+        assert decided.error is not None
+        raise decided.error
+    if decided.action == "stay_off":
+        _stay_off(decided.reason)
+        return
+    from . import vllm
+
+    assert decided.settings is not None
+    before = vllm.status()
+    try:
+        vllm.install(**decided.settings)
+    except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
+        # Only a vLLM changed between the check and now gets here.
+        if os.environ.get(_env.VLLM) != "auto":
+            raise
+        _stay_off(str(exc))
+        return
+    after = vllm.status()
+    if after != before:
+        import kvqueue
+
+        _log.logger.info(
+            "kvqueue %s active on vLLM %s: vLLM's free block queue is kvqueue's %s twin, "
+            "pool guard %s, on_misuse=%s",
+            kvqueue.__version__,
+            after["line"],
+            after["implementation"],
+            "on (" + ", ".join(after["guarded"]) + ")" if after["pool_guard"] else "off",
+            after["on_misuse"] or _policy.resolve(None),
+        )
+
+
+def _stay_off(reason: str) -> None:
+    _log.forward_to_vllm(True)
+    _log.logger.warning("kvqueue stays off (%s=auto): %s", _env.VLLM, reason)
