@@ -27,11 +27,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import hub
 import lines
 import sdist
-from kvqueue._vllm_lines import Line, parse
+from kvqueue._vllm_lines import LINES, Line, parse
 
 HERE = Path(__file__).resolve().parent
 QUICK = (
@@ -56,6 +57,8 @@ FULL = (
 CORE = ("tests/v1/core",)
 SUITES = {"quick": QUICK, "core": CORE, "full": FULL}
 TWINS = ("none", "cython", "python")
+# kvqueue's own tests that an older line runs (vllm_tests/ whole on the venv's line).
+LINE_TESTS = ("test_double_free.py", "test_vllm_plugin.py")
 
 
 def in_scope(scope: str, line: Line) -> bool:
@@ -134,6 +137,84 @@ def run_pytest(
     return results
 
 
+def compare(results: dict[str, dict[str, Any]], release: str) -> tuple[list[str], dict[str, Any]]:
+    """What differs between the twins' runs (problems), and each twin's counts by outcome."""
+    problems = []
+    twins = list(results)
+    passed = {
+        twin: {name for name, entry in r.items() if entry["outcome"] == "passed"}
+        for twin, r in results.items()
+    }
+    counts: dict[str, Any] = {}
+    for twin in twins:
+        tally: dict[str, int] = {}
+        for entry in results[twin].values():
+            tally[entry["outcome"]] = tally.get(entry["outcome"], 0) + 1
+        pools = sum(1 for entry in results[twin].values() if entry["pools"])
+        counts[twin] = {**tally, "pools": pools}
+        summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(tally.items()))
+        print(f"vllm-tests {release} {twin:>6}: {summary}; {pools} tests built a BlockPool")
+        if not pools:
+            problems.append(f"{twin}: no test built a BlockPool")
+        for name in sorted(passed[twins[0]] ^ passed[twin]):
+            where = twins[0] if name in passed[twins[0]] else twin
+            problems.append(f"passes with {where} only: {name} ({results[twin].get(name)})")
+    for name, entry in sorted(results.get("none", {}).items()):
+        if entry["outcome"] in ("failed", "error"):
+            problems.append(f"fails with vLLM's own queue, not in excluded.txt: {name}")
+    return problems, counts
+
+
+def kvqueue_tests(release: str, overlay: Path | None, work: Path) -> dict[str, Any]:
+    """kvqueue's own tests on the line's real vLLM: all of vllm_tests/ on the venv's line;
+    on an older line the double-free and plugin tests (the live engine is ``make demo``'s).
+    Their outcome, from pytest's JUnit XML."""
+    files = ["vllm_tests"] if overlay is None else [str(HERE / name) for name in LINE_TESTS]
+    xml = work / "vllm_tests.xml"
+    xml.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(overlay or ""), VLLM_TARGET_DEVICE="cpu")
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:asyncio",
+               "-rfEs", f"--junitxml={xml}", *files]  # fmt: skip
+    start = time.monotonic()
+    code = subprocess.run(command, cwd=HERE.parent, env=env).returncode
+    outcome = {"exit": code, "seconds": round(time.monotonic() - start)}
+    if xml.is_file():
+        suite = ElementTree.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        outcome |= {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    print(f"vllm-tests {release}: kvqueue's tests: {outcome}")
+    return outcome
+
+
+def table() -> str:
+    """A Markdown table of the last run of each line (``summary.json`` in its runs folder)."""
+    rows = ["| line | release | suites | none | cython | python | same | vllm_tests/ | s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for each in LINES:
+        path = sdist.cache_dir() / f"vllm-{each.release}-runs" / "summary.json"
+        if not path.is_file():
+            rows.append(f"| {each.name} | {each.release} | not run | | | | | | |")
+            continue
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        ways = []
+        for twin in TWINS:
+            c = summary["counts"].get(twin)
+            ways.append(
+                f"{c.get('passed', 0)}/{c.get('failed', 0) + c.get('error', 0)}/"
+                f"{c.get('skipped', 0)}" if c else "not run"
+            )
+        k = summary.get("kvqueue_tests") or {}
+        mine = (
+            f"{k['tests'] - k['failures'] - k['errors'] - k['skipped']}/"
+            f"{k['failures'] + k['errors']}/{k['skipped']}" if "tests" in k else "not run"
+        )
+        same = "yes" if not summary["problems"] else f"no ({len(summary['problems'])})"
+        seconds = summary["seconds"] + k.get("seconds", 0)
+        rows.append(f"| {each.name} | {each.release} | {summary['suites']} | {' | '.join(ways)} "
+                    f"| {same} | {mine} | {seconds} |")  # fmt: skip
+    return "\n".join(rows) + "\n(passed/failed/skipped; vllm_tests/: kvqueue's own tests)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--line", help="the vLLM line: 0.31 or 0.31.0 (default: the venv's)")
@@ -143,8 +224,15 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="the same as --suites quick")
     parser.add_argument("--twins", default=",".join(TWINS), help="comma-separated subset")
+    parser.add_argument(
+        "--no-kvqueue-tests", action="store_true", help="vLLM's suites only, not vllm_tests/"
+    )
+    parser.add_argument("--table", action="store_true", help="print every line's last results")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
+    if args.table:
+        print(table())
+        return 0
     twins = tuple(args.twins.split(","))
     line = lines.line(args.line or lines.venv_release())
     overlay = lines.overlay(line)
@@ -157,41 +245,26 @@ def main() -> int:
     exclusions, problems = exclusion_args(excluded(HERE / "excluded.txt", line), root)
     extra = exclusions + args.pytest_args
     chosen = "quick" if args.quick else args.suites
-    wanted = SUITES[chosen or ("core" if overlay else "full")]
+    chosen = chosen or ("core" if overlay else "full")
+    wanted = SUITES[chosen]
     suites = [suite for suite in wanted if (root / suite).exists()]
     if missing := sorted(set(wanted) - set(suites)):
         print(f"vllm-tests: vLLM {release} has no {', '.join(missing)}")
     path = [overlay, HERE] if overlay else [HERE]
     start = time.monotonic()
     results = {twin: run_pytest(twin, root, suites, extra, work, path) for twin in twins}
-
-    passed = {
-        twin: {name for name, entry in r.items() if entry["outcome"] == "passed"}
-        for twin, r in results.items()
-    }
-    reference = twins[0]
-    for twin in twins:
-        counts = {}
-        for entry in results[twin].values():
-            counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
-        pools = sum(1 for entry in results[twin].values() if entry["pools"])
-        summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-        print(f"vllm-tests {release} {twin:>6}: {summary}; {pools} tests built a BlockPool")
-        if not pools:
-            problems.append(f"{twin}: no test built a BlockPool")
-        for name in sorted(passed[reference] ^ passed[twin]):
-            where = reference if name in passed[reference] else twin
-            problems.append(f"passes with {where} only: {name} ({results[twin].get(name)})")
-    if "none" in results:
-        for name, entry in sorted(results["none"].items()):
-            if entry["outcome"] in ("failed", "error"):
-                problems.append(f"fails with vLLM's own queue, not in excluded.txt: {name}")
+    seconds = round(time.monotonic() - start)
+    found, counts = compare(results, release)
+    problems += found
     for problem in problems:
         print("vllm-tests: " + problem)
     verdict = "identical" if not problems else "DIFFERENT (or stale excluded.txt)"
-    seconds = time.monotonic() - start
-    print(f"vllm-tests {release}: pass sets across {', '.join(twins)}: {verdict} ({seconds:.0f} s)")
-    return 1 if problems else 0
+    print(f"vllm-tests {release}: pass sets across {', '.join(twins)}: {verdict} ({seconds} s)")
+    mine = None if args.no_kvqueue_tests else kvqueue_tests(release, overlay, work)
+    summary = {"release": release, "suites": chosen, "counts": counts, "problems": problems,
+               "seconds": seconds, "kvqueue_tests": mine}  # fmt: skip
+    (work / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    return 1 if problems or (mine and mine["exit"]) else 0
 
 
 if __name__ == "__main__":
