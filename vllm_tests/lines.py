@@ -100,7 +100,9 @@ def overlay(target: Line) -> Path | None:
     root = sdist.cache_dir() / f"vllm-{target.release}-overlay"
     source = wheel(target.release)
     # Made again when the wheel or this recipe (this file, requirements.py) changes.
-    recipe = hashlib.sha256(Path(__file__).read_bytes() + Path(needed.__code__.co_filename).read_bytes())
+    recipe = hashlib.sha256(
+        Path(__file__).read_bytes() + Path(needed.__code__.co_filename).read_bytes()
+    )
     marker = f"{source.name} {recipe.hexdigest()}\n"
     complete = root / _COMPLETE
     if complete.is_file() and complete.read_text(encoding="utf-8") == marker:
@@ -139,17 +141,23 @@ def requirements_of(target: Line, directory: Path) -> list[Requirement]:
     return needed(dist.requires or [])
 
 
+def installed(name: str) -> str | None:
+    """The version of ``name`` this interpreter imports, or None."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def install_missing(target: Line, directory: Path) -> None:
     """Put into ``directory`` what the line requires and the venv has not at all; say which
     requirements the venv holds at another version."""
     missing = []
     for req in requirements_of(target, directory):
-        try:
-            have = version(req.name)
-        except PackageNotFoundError:
+        have = installed(req.name)
+        if have is None:
             missing.append(req)
-            continue
-        if not req.specifier.contains(have, prereleases=True):
+        elif not req.specifier.contains(have, prereleases=True):
             print(f"lines.py: vLLM {target.release} names {req}; the venv has {have}",
                   file=sys.stderr)  # fmt: skip
     if not missing:
@@ -163,11 +171,9 @@ def install_missing(target: Line, directory: Path) -> None:
     # Their own requirements must be in the venv already (--no-deps put nothing else here).
     for req in missing:
         (dist,) = distributions(name=req.name, path=[str(directory)])
-        for sub in needed(dist.requires or []):
-            try:
-                version(sub.name)
-            except PackageNotFoundError:
-                raise SystemExit(f"lines.py: {req.name} needs {sub}, which the venv lacks") from None
+        lacking = [str(sub) for sub in needed(dist.requires or []) if installed(sub.name) is None]
+        if lacking:
+            raise SystemExit(f"lines.py: {req.name} needs {', '.join(lacking)}, not in the venv")
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ from xml.etree import ElementTree
 import hub
 import lines
 import sdist
+
 from kvqueue._vllm_lines import LINES, Line, parse
 
 HERE = Path(__file__).resolve().parent
@@ -181,7 +182,9 @@ def kvqueue_tests(release: str, overlay: Path | None, work: Path) -> dict[str, A
     if xml.is_file():
         suite = ElementTree.parse(xml).getroot()
         suite = suite if suite.tag == "testsuite" else suite[0]
-        outcome |= {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+        outcome |= {
+            key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")
+        }
     print(f"vllm-tests {release}: kvqueue's tests: {outcome}")
     return outcome
 
@@ -201,12 +204,16 @@ def table() -> str:
             c = summary["counts"].get(twin)
             ways.append(
                 f"{c.get('passed', 0)}/{c.get('failed', 0) + c.get('error', 0)}/"
-                f"{c.get('skipped', 0)}" if c else "not run"
+                f"{c.get('skipped', 0)}"
+                if c
+                else "not run"
             )
         k = summary.get("kvqueue_tests") or {}
         mine = (
             f"{k['tests'] - k['failures'] - k['errors'] - k['skipped']}/"
-            f"{k['failures'] + k['errors']}/{k['skipped']}" if "tests" in k else "not run"
+            f"{k['failures'] + k['errors']}/{k['skipped']}"
+            if "tests" in k
+            else "not run"
         )
         same = "yes" if not summary["problems"] else f"no ({len(summary['problems'])})"
         seconds = summary["seconds"] + k.get("seconds", 0)
@@ -219,7 +226,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--line", help="the vLLM line: 0.31 or 0.31.0 (default: the venv's)")
     parser.add_argument(
-        "--suites", choices=SUITES, help="quick: three files; core: tests/v1/core; full "
+        "--suites",
+        choices=SUITES,
+        help="quick: three files; core: tests/v1/core; full "
         "(default for the venv's own line; older lines: core)",
     )
     parser.add_argument("--quick", action="store_true", help="the same as --suites quick")

@@ -68,7 +68,9 @@ def main() -> int:
     print(f"torch_source.py: torch {torch['version']} ({build}): {wheel} from {source}")
     if cpu:
         return 0
-    cuda = [item for item in chosen if item["name"] == "torch" or item["name"].startswith(CUDA_PREFIXES)]
+    cuda = [
+        item for item in chosen if item["name"] == "torch" or item["name"].startswith(CUDA_PREFIXES)
+    ]
     sizes = [size(item["url"]) for item in cuda]
     known = sum(s for s in sizes if s)
     unknown = "" if all(sizes) else f" (the size of {sizes.count(None)} unknown)"
