@@ -10,7 +10,8 @@ with any other queue class than the expected one (kvqueue's twin, or vLLM's own 
 kept in its report (``user_properties``) and summed in the terminal summary.
 
 ``--kvqueue-report=PATH`` writes ``{nodeid: {"outcome": ..., "pools": n}}`` as JSON at the
-end (under xdist, on the controller), the outcome being the worst of the test's phases.
+end (under xdist, on the controller), the outcome being the worst of the test's phases, or
+``deselected`` for a test that ``--deselect`` left out.
 
 vLLM's own ``skip_global_cleanup`` marker is put on every test: its docstring calls it a
 ~10x speedup for tests that need no device; without it every test ends with a full
@@ -123,6 +124,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         outcome = report.outcome
     if _RANK[outcome] > _RANK[entry["outcome"]]:
         entry["outcome"] = outcome
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    # Kept so that run.py can tell an exclusion that names no test of the release.
+    for item in items:
+        _results[item.nodeid] = {"outcome": "deselected", "pools": 0}
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

@@ -166,6 +166,21 @@ def compare(results: dict[str, dict[str, Any]], release: str) -> tuple[list[str]
     return problems, counts
 
 
+def unmatched(
+    targets: list[tuple[str, int]], suites: list[str], results: dict[str, Any], release: str
+) -> list[str]:
+    """The node ids of excluded.txt that left out no test of the suites run (stale for the
+    line: its scope is too wide, or the test was renamed)."""
+    deselected = [name for name, entry in results.items() if entry["outcome"] == "deselected"]
+    stale = []
+    for target, number in targets:
+        path = target.partition("::")[0]
+        ran = any(path == suite or path.startswith(suite.rstrip("/") + "/") for suite in suites)
+        if "::" in target and ran and not any(name.startswith(target) for name in deselected):
+            stale.append(f"excluded.txt:{number}: {target} names no test of vLLM {release}")
+    return stale
+
+
 def kvqueue_tests(release: str, overlay: Path | None, work: Path) -> dict[str, Any]:
     """kvqueue's own tests on the line's real vLLM: all of vllm_tests/ on the venv's line;
     on an older line the double-free and plugin tests (the live engine is ``make demo``'s).
@@ -251,7 +266,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     root = sdist.tests_root(release)
     hub.write(work / "hf-home")
-    exclusions, problems = exclusion_args(excluded(HERE / "excluded.txt", line), root)
+    targets = excluded(HERE / "excluded.txt", line)
+    exclusions, problems = exclusion_args(targets, root)
     extra = exclusions + args.pytest_args
     chosen = "quick" if args.quick else args.suites
     chosen = chosen or ("core" if overlay else "full")
@@ -264,7 +280,7 @@ def main() -> int:
     results = {twin: run_pytest(twin, root, suites, extra, work, path) for twin in twins}
     seconds = round(time.monotonic() - start)
     found, counts = compare(results, release)
-    problems += found
+    problems += found + unmatched(targets, suites, results[twins[0]], release)
     for problem in problems:
         print("vllm-tests: " + problem)
     verdict = "identical" if not problems else "DIFFERENT (or stale excluded.txt)"
