@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -248,6 +249,7 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="the same as --suites quick")
     parser.add_argument("--twins", default=",".join(TWINS), help="comma-separated subset")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest runs at once (default 1)")
     parser.add_argument(
         "--no-kvqueue-tests", action="store_true", help="vLLM's suites only, not vllm_tests/"
     )
@@ -277,7 +279,10 @@ def main() -> int:
         print(f"vllm-tests: vLLM {release} has no {', '.join(missing)}")
     path = [overlay, HERE] if overlay else [HERE]
     start = time.monotonic()
-    results = {twin: run_pytest(twin, root, suites, extra, work, path) for twin in twins}
+    # Each twin's pytest is its own process: --jobs 2 runs two at once (a 2-core CI machine).
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        runs = {t: pool.submit(run_pytest, t, root, suites, extra, work, path) for t in twins}
+        results = {twin: run.result() for twin, run in runs.items()}
     seconds = round(time.monotonic() - start)
     found, counts = compare(results, release)
     problems += found + unmatched(targets, suites, results[twins[0]], release)
