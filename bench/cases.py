@@ -51,7 +51,8 @@ class Case:
 
 
 def _ids(queue: Any) -> list[int]:
-    blocks = queue if isinstance(queue, deque) else queue.iter_blocks_after(None)
+    # get_all_free_blocks, not iter_blocks_after: every vLLM line has it (0.23-0.25 lack the other).
+    blocks = queue if isinstance(queue, deque) else queue.get_all_free_blocks()
     return [block.block_id for block in blocks]
 
 
@@ -110,7 +111,7 @@ def remove_append(queue_class: type, pool: int, rng: random.Random) -> Bench | N
     if queue_class is deque:
         return None  # deque.remove is a linear search: no equivalent.
     queue, ids = _start(queue_class, pool)
-    blocks = list(queue.iter_blocks_after(None))
+    blocks = queue.get_all_free_blocks()
     walk = cycle(rng.sample(blocks, len(blocks)) + rng.sample(blocks, len(blocks)))
     remove, append = queue.remove, queue.append
 

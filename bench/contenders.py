@@ -1,8 +1,10 @@
 """The queues of the microbenchmark, all threading the same ``kvqueue.KVCacheBlock`` class.
 
-vLLM's ``FreeKVCacheBlockQueue`` is read from vLLM's sdist (the one ``make vllm-tests`` takes
-its tests from, vllm_tests/sdist.py; nothing of vLLM is committed here): its one file is
-extracted once under ``<cache root>/vllm-<version>-src/`` and the class exec'd alone.
+vLLM's ``FreeKVCacheBlockQueue`` of each line of ``kvqueue._vllm_lines`` (``vllm-0.23`` ...) is
+read from that release's wheel if one is in ``<cache root>/wheels`` (vllm_tests/venv.sh keeps
+the pin's there), else from its sdist (the one ``make vllm-tests`` takes its tests from,
+vllm_tests/sdist.py): both hold the same file, and nothing of vLLM is committed here. The file
+is extracted once under ``<cache root>/vllm-<version>-src/`` and the class exec'd alone.
 ``pure@REV`` / ``cython@REV`` are the twins at git revision REV: ``src/kvqueue`` there,
 renamed ``kvqueue_base`` and compiled in place under ``<cache root>/baseline/<commit>`` with
 the benchmark's own Cython (another would time two Cython releases as well as two kvqueues).
@@ -20,11 +22,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from kvqueue import KVCacheBlock
+from kvqueue._vllm_lines import LINES
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPOSITORY / "vllm_tests"))
@@ -33,16 +37,19 @@ import sdist  # noqa: E402  (vllm_tests/sdist.py: the cache root, the pin, the d
 QUEUE_FILE = "vllm/v1/core/kv_cache_utils.py"
 
 
-# vLLM 0.30.0 is the seed's baseline: every ratio is taken against it. Beside it, the release
-# vllm_tests/vllm.env pins (newer ones have a local-variable / single-block fast path).
+# vLLM 0.30 is the seed's baseline: every ratio is taken against it. Beside it, the release
+# vllm_tests/vllm.env pins (0.32 and later have a local-variable / single-block fast path).
 REFERENCE, PINNED = "vllm-0.30", "vllm-" + ".".join(sdist.VLLM_VERSION.split(".")[:2])
-VLLM_VERSIONS = {REFERENCE: "0.30.0", PINNED: sdist.VLLM_VERSION}
+# Every line's newest release as _vllm_lines has it; the pinned line's, as vllm.env pins it.
+VLLM_VERSIONS = {f"vllm-{line.name}": line.release for line in LINES} | {PINNED: sdist.VLLM_VERSION}
 # With no vLLM (--quick), ratios are taken against the pure twin instead.
 FALLBACK_REFERENCE = "pure"
 # The C floor, with no O(1) ``remove``: each case spells out its own deque cycle.
 DEQUE = "deque"
-ALL = (*VLLM_VERSIONS, "pure", "cython", DEQUE)
+ALL = (REFERENCE, PINNED, "pure", "cython", DEQUE)
 QUICK = ("pure", "cython", DEQUE)
+# --lines: every line's queue against both twins (the deque has no ``remove``).
+EVERY_LINE = (*VLLM_VERSIONS, "pure", "cython")
 TWINS = {"pure": "_queue_py", "cython": "_queue"}
 
 
@@ -62,30 +69,70 @@ def load(name: str) -> type:
     return _vllm_queue(VLLM_VERSIONS[name])
 
 
-def _vllm_queue(version: str) -> type:
-    """vLLM's class alone, exec'd in a fresh namespace with ``KVCacheBlock`` bound to kvqueue's
-    (annotations not evaluated)."""
+def _queue_file(version: str) -> Path:
+    """vLLM ``version``'s ``QUEUE_FILE``, extracted once from its wheel or sdist."""
     path = sdist.cache_dir() / f"vllm-{version}-src" / QUEUE_FILE
-    if not path.is_file():
+    if path.is_file():
+        return path
+    wheels = sorted((sdist.cache_dir() / "wheels").glob(f"vllm-{version}-*.whl"))
+    if wheels:
+        with zipfile.ZipFile(wheels[0]) as wheel:  # KeyError (a LookupError) if missing
+            text = wheel.read(QUEUE_FILE)
+    else:
         try:
             archive = sdist.download(version)
         except OSError as exc:  # offline: the run goes on without this contender
             raise LookupError(f"vllm {version}'s sdist: {exc}") from exc
         with tarfile.open(archive) as tar:  # KeyError (a LookupError) if the file is missing
             text = tar.extractfile(f"vllm-{version}/{QUEUE_FILE}").read()  # type: ignore[union-attr]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Written whole, then renamed: an interrupted write leaves no half file behind.
-        partial = path.with_suffix(".partial")
-        partial.write_bytes(text)
-        partial.replace(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole, then renamed: an interrupted write leaves no half file behind.
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(text)
+    partial.replace(path)
+    return path
+
+
+def _queue_node(version: str) -> tuple[Path, ast.ClassDef]:
+    """The file of vLLM ``version``'s queue and the class's syntax tree."""
+    path = _queue_file(version)
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes: list[ast.stmt] = [
-        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FreeKVCacheBlockQueue"
-    ]
-    if not nodes:
-        raise LookupError(f"vllm {version} {QUEUE_FILE} defines no FreeKVCacheBlockQueue")
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "FreeKVCacheBlockQueue":
+            return path, node
+    raise LookupError(f"vllm {version} {QUEUE_FILE} defines no FreeKVCacheBlockQueue")
+
+
+def _code(function: ast.FunctionDef) -> str:
+    """The syntax tree of ``function`` less its docstring: what runs, blank lines, comments
+    and docstrings aside (0.31 has 0.30's code with a blank line more in each docstring)."""
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def same_code(names: list[str], methods: tuple[str, ...]) -> dict[str, str]:
+    """For each vLLM contender of ``names``, the first of ``names`` whose queue's ``methods``
+    run the same code."""
+    firsts: dict[str, str] = {}
+    same = {}
+    for name in names:
+        if name not in VLLM_VERSIONS:
+            continue
+        _, node = _queue_node(VLLM_VERSIONS[name])
+        defs = {n.name: n for n in node.body if isinstance(n, ast.FunctionDef)}
+        code = repr([_code(defs[m]) if m in defs else None for m in methods])
+        same[name] = firsts.setdefault(code, name)
+    return same
+
+
+def _vllm_queue(version: str) -> type:
+    """vLLM's class alone, exec'd in a fresh namespace with ``KVCacheBlock`` bound to kvqueue's
+    (annotations not evaluated)."""
+    path, node = _queue_node(version)
     # The real path as file name: tracebacks and profilers then show vLLM's own lines.
-    code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec",
+    code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec",
                    flags=__future__.annotations.compiler_flag, dont_inherit=True)  # fmt: skip
     namespace: dict[str, Any] = {"__name__": f"vllm_{version.replace('.', '_')}",
                                  "KVCacheBlock": KVCacheBlock}  # fmt: skip

@@ -14,9 +14,10 @@ import random
 import sys
 import time
 import timeit
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
-from time import perf_counter_ns
+from time import perf_counter_ns, thread_time_ns
 from typing import Any
 
 import cases
@@ -27,23 +28,37 @@ from launch import Estimate, bootstrap_median, interval, short
 
 # Processes per case, samples per process, the reference's time per sample (ms).
 FULL, QUICK = (11, 9, 20.0), (3, 5, 2.0)
+# --lines: every vLLM line's queue and both twins in the same processes (FULL's), on these
+# cases only: the one-block cycles, a batch, a cache hit where code, not cache misses, bounds it.
+LINE_CASES = (
+    "popleft + append @100000",
+    "popleft_n(1) + append_n @100000",
+    "popleft_n(8) + append_n @100000",
+    "remove + append @2048",
+)
+# What they call: the lines whose queues define these alike share a label in the table.
+LINE_METHODS = ("popleft", "append", "popleft_n", "append_n", "remove")
 
 
 # -- one fresh process: one case, every contender
 
+# --cpu-time: the thread's CPU time leaves out the time this process waited for its CPU while a
+# neighbour's job ran on it (a shared host's largest noise); what they do to the caches stays in.
+CLOCKS = {"wall": perf_counter_ns, "cpu": thread_time_ns}
 
-def timed(bench: cases.Bench, loops: int) -> int:
+
+def timed(bench: cases.Bench, loops: int, clock: Callable[[], int]) -> int:
     """One sample: ``loops`` cycles, in ns. timeit pauses the collector: a collection landing in
     one sample would be charged to one contender."""
     bench.prepare()
-    return int(timeit.Timer(lambda: bench.run(loops), timer=perf_counter_ns).timeit(1))
+    return int(timeit.Timer(lambda: bench.run(loops), timer=clock).timeit(1))
 
 
-def calibrate(bench: cases.Bench, target_ns: int) -> tuple[int, int]:
+def calibrate(bench: cases.Bench, target_ns: int, clock: Callable[[], int]) -> tuple[int, int]:
     """Loops for one sample of about ``target_ns`` on ``bench``; also the cycles spent."""
     loops, spent = 1, 0
     while True:
-        elapsed = timed(bench, loops)
+        elapsed = timed(bench, loops, clock)
         spent += loops
         if elapsed >= target_ns:
             return loops, spent
@@ -65,15 +80,15 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     gc.freeze()  # the pools are permanent: no later collection walks them
 
-    reference = job["reference"]
+    reference, clock = job["reference"], CLOCKS[job["clock"]]
     if case.single_shot:
         loops, spent = 1, 0
     else:
-        loops, spent = calibrate(benches[reference], job["target_ns"])
+        loops, spent = calibrate(benches[reference], job["target_ns"], clock)
     for name, bench in benches.items():
         if name != reference and spent:
             bench.run(spent)
-        timed(bench, loops)
+        timed(bench, loops, clock)
     expected = benches[reference].ids()
     wrong = [name for name, bench in benches.items() if bench.ids() != expected]
     if wrong:
@@ -86,7 +101,7 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
         rng.shuffle(order)
         shuffles.append(order)
         for name in order:
-            samples[name].append(timed(benches[name], loops) / loops)
+            samples[name].append(timed(benches[name], loops, clock) / loops)
     return {
         "case": case.key, "name": case.name, "pool": case.pool, "cycle": case.cycle,
         "round": job["round"], "seed": job["seed"], "cpu": cpu, "pid": os.getpid(),
@@ -97,9 +112,9 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 # -- the parent
 
 
-def bench(quick: bool, baseline: str | None) -> dict[str, Any]:
+def bench(quick: bool, baseline: str | None, lines: bool, clock: str) -> dict[str, Any]:
     processes, samples, sample_ms = QUICK if quick else FULL
-    wanted = contenders.QUICK if quick else contenders.ALL
+    wanted = contenders.EVERY_LINE if lines else contenders.QUICK if quick else contenders.ALL
     if baseline:
         try:
             baseline = contenders.resolve(baseline)
@@ -121,14 +136,18 @@ def bench(quick: bool, baseline: str | None) -> dict[str, Any]:
     reference = REFERENCE if REFERENCE in names else fallback
     if reference not in names:
         raise SystemExit(f"no reference: neither {REFERENCE} nor {fallback} loads")
-    selected = cases.all_cases(quick)
+    if lines:
+        every = {case.key: case for case in cases.all_cases()}
+        selected = [every[key] for key in LINE_CASES]
+    else:
+        selected = cases.all_cases(quick)
     rng = random.Random(0)
     jobs = []
     for round_ in range(processes):
         jobs += [
             {"case": case.key, "label": f"round {round_ + 1} {case.key}",
              "round": round_, "seed": rng.randrange(2**32),
-             "contenders": names, "reference": reference, "samples": samples,
+             "contenders": names, "reference": reference, "samples": samples, "clock": clock,
              "target_ns": int(sample_ms * 1e6)}
             for case in rng.sample(selected, len(selected))
         ]  # fmt: skip
@@ -138,9 +157,11 @@ def bench(quick: bool, baseline: str | None) -> dict[str, Any]:
     records = launch.run(measure, jobs)
     settings = {
         "reference": reference, "contenders": names, "skipped": skipped,
+        "releases": {n: v for n, v in contenders.VLLM_VERSIONS.items() if n in names},
+        "same_code": contenders.same_code(names, LINE_METHODS) if lines else {},
         "cases": [case.key for case in selected],
         "processes": processes, "samples": samples, "sample_ms": sample_ms,
-        "quick": quick, "baseline": baseline,
+        "quick": quick, "baseline": baseline, "lines": lines, "clock": clock,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started, 1),
     }  # fmt: skip
@@ -187,6 +208,13 @@ def fmt_ns(ns: float) -> str:
     return f"{ns / 1e6:.3g} ms"
 
 
+def _clock(settings: dict[str, Any]) -> str:
+    """How the samples were timed, for a caption."""
+    if settings["clock"] == "cpu":
+        return "Timed by the thread's CPU time (`--cpu-time`)."
+    return "Timed by the wall clock."
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -208,7 +236,8 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         f"Ratio of time to `{reference}` (median of {settings['processes']} processes x "
         f"{settings['samples']} samples, [bootstrap 95% interval]) · median time per cycle. "
-        "Every contender held the same order as the reference after the same warm-up.",
+        "Every contender held the same order as the reference after the same warm-up. "
+        + _clock(settings),
         f"{short(results['machine'])}.",
         "",
         _row(["case", "pool", "one cycle", *(f"`{n}`" for n in names)]),
@@ -269,6 +298,41 @@ def versus(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def lines_table(results: dict[str, Any]) -> str:
+    """One row per vLLM line: per case, the line against the reference, then each twin
+    against the line, all in the same processes."""
+    settings = results["settings"]
+    reference, same = settings["reference"], settings["same_code"]
+    grouped = by_case(results)
+    twins = [twin for twin in contenders.TWINS if twin in settings["contenders"]]
+    header = ["line", "release", "same code as"]
+    for records in grouped.values():
+        case = f"{records[0]['name']} @{records[0]['pool']:,}"
+        header += [f"{case}: line", *(f"`{twin}` / line" for twin in twins)]
+    out = [
+        f"Each vLLM line's queue and kvqueue's twins, in the same {settings['processes']} "
+        f"processes per case x {settings['samples']} samples (about {settings['sample_ms']:g} ms "
+        f"of `{reference}` a sample). Per case: the line's ratio of time to `{reference}` "
+        "[bootstrap 95% interval] · its median time per cycle, then each twin's ratio to the "
+        f"line. *Same code as*: the first line whose {', '.join(LINE_METHODS)} are the same "
+        "code (syntax tree). " + _clock(settings),
+        f"{short(results['machine'])}.",
+        "",
+        _row(header),
+        "|---|---|---|" + "---:|" * (len(header) - 3),
+    ]
+    for name, release in settings["releases"].items():
+        cells = [f"`{name}`", release, same[name]]
+        for records in grouped.values():
+            cells.append(_cell(records, name, reference))
+            cells += [interval(ratio(records, twin, name)) for twin in twins]
+        out.append(_row(cells))
+    skipped = settings["skipped"]
+    if skipped:
+        out.append("\nNot measured: " + "; ".join(f"`{n}` ({why})" for n, why in skipped.items()))
+    return "\n".join(out)
+
+
 # The chart: pinned vLLM, the twins (their baseline builds hollow), the deque.
 MARKERS = {PINNED: "s", "pure": "o", "cython": "D", "deque": "^"}
 TICKS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3)
@@ -320,10 +384,15 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
 
 def publish(results: dict[str, Any], path: Path) -> None:
+    settings = results["settings"]
+    if settings["lines"]:
+        print(lines_table(results))
+        print(f"\nraw samples: {path}", file=sys.stderr)
+        return
     print(table(results))
-    if results["settings"]["reference"] == REFERENCE:
+    if settings["reference"] == REFERENCE:
         print("\n" + targets(results))
-    if results["settings"]["baseline"]:
+    if settings["baseline"]:
         print("\n" + versus(results))
     print(f"\nraw samples: {path}", file=sys.stderr)
     try:
@@ -336,9 +405,18 @@ def publish(results: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = launch.parser(__doc__, "smoke test: small, no vLLM")
     parser.add_argument("--baseline", metavar="REV", help="also time the twins at git REV")
+    parser.add_argument(
+        "--lines", action="store_true", help="every vLLM line's queue vs the twins: one table"
+    )
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time by the thread's CPU time, not the wall clock"
+    )
     args = parser.parse_args()
-    results = bench(args.quick, args.baseline)
-    publish(results, launch.save(results, args.out, "quick" if args.quick else "full"))
+    if args.lines and (args.quick or args.baseline):
+        parser.error("--lines takes neither --quick nor --baseline")
+    results = bench(args.quick, args.baseline, args.lines, "cpu" if args.cpu_time else "wall")
+    kind = "lines" if args.lines else "quick" if args.quick else "full"
+    publish(results, launch.save(results, args.out, kind))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ misuse: double frees, duplicates in batches, sentinels, blocks of another
 queue, removes of unlinked blocks and of another pool's blocks.
 
 The valid operations and cursors are test_model.py's. After every operation
-the queue must hold exactly the model's free blocks in the model's order
+the queue must hold exactly the oracle's free blocks in the oracle's order
 (every invariant of helpers.check_queue), the other queue must be untouched,
-and ``queue.repairs`` must equal the model's count of the misuses injected,
+and ``queue.repairs`` must equal the oracle's count of the misuses skipped,
 per kind. Misuse with no safe repair (popleft beyond the count, a non-block in
 a batch) must still raise and change nothing.
 """
@@ -17,30 +17,21 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import check_queue
-from model import Model
+from model import Mirror, Program
 
 from kvqueue import KVCacheBlock
 
-POOL = 32
 OPERATIONS = 20_000
-KINDS = ("duplicate", "linked", "sentinel", "not_linked", "other_pool")
 
 
-class RepairModel(Model):
-    """test_model's list model, and the repairs the queue must have counted."""
+class RepairProgram(Program):
+    """test_model's program on a queue bound to a pool, with misuse injected."""
 
     def __init__(self, queue_mod: ModuleType, rng: random.Random) -> None:
-        self.rng = rng
-        self.blocks = [KVCacheBlock(i, pool="this pool") for i in range(POOL)]
-        self.queue = queue_mod.FreeKVCacheBlockQueue(self.blocks, on_misuse="repair")
-        self.free = list(self.blocks)
-        self.used: list[Any] = []
-        self.new_cursor()
+        super().__init__(queue_mod, rng, on_misuse="repair", pool="this pool")
         # Linked in another queue, of another pool.
         self.foreign = [KVCacheBlock(100 + i, pool="another pool") for i in range(4)]
-        self.other = queue_mod.FreeKVCacheBlockQueue(self.foreign, on_misuse="repair")
-        self.repairs = dict.fromkeys(KINDS, 0)
+        self.other = Mirror(queue_mod, self.oracle, self.foreign, on_misuse="repair")
 
     def step(self) -> None:
         roll = self.rng.random()
@@ -55,74 +46,54 @@ class RepairModel(Model):
         return self.rng.choice((self.queue.fake_free_list_head, self.queue.fake_free_list_tail))
 
     def batch(self, front: bool) -> None:
-        """A batch of freed blocks with misuse mixed in; the model links each
-        freed block once, in order of first appearance."""
+        """A batch of freed blocks (none, some) with misuse mixed in: duplicates of
+        them, free blocks, another queue's block, a sentinel."""
         rng = self.rng
-        fresh = self.take(rng.randint(0, min(4, len(self.used))))
-        batch = list(fresh)
-        for block in rng.sample(fresh, rng.randint(0, len(fresh))):
-            batch.append(block)
-            self.repairs["duplicate"] += 1
-        for block in rng.sample(self.free, min(len(self.free), rng.randint(0, 2))):
-            batch.append(block)
-            self.repairs["linked"] += 1
+        fresh = self.take(0, 4)
+        batch = [*fresh, *rng.sample(fresh, rng.randint(0, len(fresh)))]
+        batch += rng.sample(self.free, min(len(self.free), rng.randint(0, 2)))
         if rng.random() < 0.3:
             batch.append(rng.choice(self.foreign))
-            self.repairs["linked"] += 1
         if rng.random() < 0.3:
             batch.append(self.sentinel())
-            self.repairs["sentinel"] += 1
         rng.shuffle(batch)
-        if not batch:
-            return
-        linked = list({id(b): b for b in batch if any(b is f for f in fresh)}.values())
-        if front:
-            self.queue.prepend_n(batch)
-            self.free[:0] = linked
-        else:
-            self.queue.append_n(batch)
-            self.free.extend(linked)
+        self.call("prepend_n" if front else "append_n", batch)
 
     def single_misuse(self) -> None:
-        rng, queue = self.rng, self.queue
+        rng, call = self.rng, self.call
         choice = rng.randrange(6)
         if choice == 0 and self.free:
-            queue.append(rng.choice(self.free))  # a double free
-            self.repairs["linked"] += 1
+            call("append", rng.choice(self.free))  # a double free
         elif choice == 1:
-            queue.append(rng.choice(self.foreign))
-            self.repairs["linked"] += 1
+            call("append", rng.choice(self.foreign))
         elif choice == 2:
-            queue.append(self.sentinel())
-            self.repairs["sentinel"] += 1
+            call("append", self.sentinel())
         elif choice == 3 and self.used:
-            queue.remove(rng.choice(self.used))
-            self.repairs["not_linked"] += 1
+            call("remove", rng.choice(self.used))
         elif choice == 4:
-            queue.remove(rng.choice(self.foreign))
-            self.repairs["other_pool"] += 1
+            call("remove", rng.choice(self.foreign))
         elif self.used:
             # No safe repair: refused whole, even after a repairable misuse.
             batch = [*self.used[:2], rng.choice((None, 7, "block"))]
             if rng.random() < 0.5 and self.free:
                 batch.insert(0, rng.choice(self.free))
-            self.must_fail(TypeError, queue.append_n, batch)
+            call("append_n", batch, raises=TypeError)
 
     def invalid_call(self) -> None:
         # test_model's misuse raises under "raise": here it is single_misuse's.
         self.single_misuse()
 
     def check(self) -> None:
-        check_queue(self.queue, self.free, self.blocks)
-        check_queue(self.other, self.foreign, self.foreign)
-        assert self.queue.repairs == self.repairs
-        assert self.other.repairs == dict.fromkeys(KINDS, 0)
+        super().check()
+        self.other.check()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_repaired_misuse_matches_the_list_model(queue_mod: ModuleType, seed: int) -> None:
-    model = RepairModel(queue_mod, random.Random(seed))
+    program = RepairProgram(queue_mod, random.Random(seed))
     for _ in range(OPERATIONS):
-        model.step()
-        model.check()
-    assert all(count > 0 for count in model.repairs.values()), model.repairs
+        program.step()
+        program.check()
+    repairs = program.mirror.expected.repairs
+    assert all(count > 0 for count in repairs.values()), repairs
+    assert program.other.expected.repairs == dict.fromkeys(repairs, 0)

@@ -1,16 +1,15 @@
 """Hypothesis drives both twins through the same calls and shrinks any
-divergence from the list model to a minimal program."""
+divergence from the list oracle to a minimal program."""
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
-import pytest
-from helpers import check_queue
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from model import Mirror
+from oracle import Oracle
 
 from kvqueue import KVCacheBlock
 
@@ -21,53 +20,33 @@ def machine_for(queue_mod: ModuleType) -> type[RuleBasedStateMachine]:
     class QueueMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = [KVCacheBlock(i) for i in range(POOL)]
-            self.queue: Any = queue_mod.FreeKVCacheBlockQueue(self.blocks)
-            self.free = list(self.blocks)
-            self.used: list[Any] = []
+            blocks = [KVCacheBlock(i) for i in range(POOL)]
+            self.mirror = Mirror(queue_mod, Oracle(KVCacheBlock), blocks)
 
         @rule(n=st.integers(0, POOL))
         def popleft_n(self, n: int) -> None:
-            if n > len(self.free):
-                with pytest.raises(AssertionError):
-                    self.queue.popleft_n(n)
-                return
-            popped = self.queue.popleft_n(n)
-            assert all(a is b for a, b in zip(popped, self.free[:n], strict=True))
-            del self.free[:n]
-            self.used.extend(popped)
+            self.mirror.call("popleft_n", n)
 
-        @precondition(lambda self: bool(self.free))
+        @precondition(lambda self: bool(self.mirror.free))
         @rule(data=st.data())
         def remove(self, data: st.DataObject) -> None:
-            block = data.draw(st.sampled_from(self.free))
-            self.queue.remove(block)
-            self.free.remove(block)
-            self.used.append(block)
+            self.mirror.call("remove", data.draw(st.sampled_from(tuple(self.mirror.free))))
 
-        @precondition(lambda self: bool(self.used))
+        @precondition(lambda self: bool(self.mirror.used))
         @rule(data=st.data(), front=st.booleans())
         def give_back(self, data: st.DataObject, front: bool) -> None:
-            batch = data.draw(st.lists(st.sampled_from(self.used), min_size=1, unique_by=id))
-            for block in batch:
-                self.used.remove(block)
-            if front:
-                self.queue.prepend_n(batch)
-                self.free[:0] = batch
-            else:
-                self.queue.append_n(batch)
-                self.free.extend(batch)
+            batch = data.draw(st.lists(st.sampled_from(self.mirror.used), min_size=1, unique_by=id))
+            self.mirror.call("prepend_n" if front else "append_n", batch)
 
-        @precondition(lambda self: bool(self.used))
+        @precondition(lambda self: bool(self.mirror.used))
         @rule(data=st.data())
         def duplicate_batch_is_refused(self, data: st.DataObject) -> None:
-            block = data.draw(st.sampled_from(self.used))
-            with pytest.raises(ValueError, match="more than once"):
-                self.queue.append_n([block, block])
+            block = data.draw(st.sampled_from(self.mirror.used))
+            self.mirror.call("append_n", [block, block], raises=ValueError, match="more than once")
 
         @invariant()
-        def matches_the_model(self) -> None:
-            check_queue(self.queue, self.free, self.blocks)
+        def matches_the_oracle(self) -> None:
+            self.mirror.check()
 
     return QueueMachine
 

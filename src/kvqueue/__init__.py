@@ -18,14 +18,14 @@ __all__ = ("IMPLEMENTATION", "FreeKVCacheBlockQueue", "KVCacheBlock", "__version
 __version__ = "0.1.0"
 
 
-
 def _pure() -> bool:
     try:
         return _env.flag(_env.PURE)
     except ValueError:
         # `python -m kvqueue` imports this package first: it reports the bad value.
-        argv = sys.orig_argv
-        if not any(a == "-m" and b == "kvqueue" for a, b in zip(argv, argv[1:])):
+        from itertools import pairwise
+
+        if ("-m", "kvqueue") not in pairwise(sys.orig_argv):
             raise
         return False
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ("logger", "forward_to_vllm")
+__all__ = ("forward_to_vllm", "logger")
 
 logger = logging.getLogger("kvqueue")
 

@@ -14,7 +14,14 @@ from typing import Any
 
 __all__ = ("LINES", "Line", "VLLMLayoutError", "accepted", "find", "line_of", "mismatch", "parse")
 
-_FIELDS_023 = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null")
+_FIELDS_023 = (
+    "block_id",
+    "ref_cnt",
+    "_block_hash",
+    "prev_free_block",
+    "next_free_block",
+    "is_null",
+)
 _FIELDS_024 = (*_FIELDS_023[:3], "_block_hash_num_tokens", *_FIELDS_023[3:])
 _FIELDS_030 = (*_FIELDS_024[:2], "pool", *_FIELDS_024[2:])
 
@@ -81,7 +88,13 @@ class Line:
         return "pool" in self.block_fields
 
 
-def _line(release: str, fields: tuple[str, ...], queue: frozenset[str], pool: dict[str, tuple[str, ...]], torch: str) -> Line:  # fmt: skip
+def _line(
+    release: str,
+    fields: tuple[str, ...],
+    queue: frozenset[str],
+    pool: dict[str, tuple[str, ...]],
+    torch: str,
+) -> Line:
     minor = parse(release)
     assert minor is not None
     return Line(release, fields, queue, pool, minor <= (0, 23), minor >= (0, 33), torch)

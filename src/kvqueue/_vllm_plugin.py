@@ -71,7 +71,7 @@ def plan() -> Plan:
         "wrap_foreign": wrap,
     }
     try:
-        vllm.check(implementation, wrap_foreign=wrap)  # type: ignore[arg-type]
+        vllm.check(implementation, wrap_foreign=wrap)
     except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
         return Plan("refuse" if strict else "stay_off", str(exc), settings, exc)
     return Plan("install", f"{_env.VLLM}={os.environ[_env.VLLM]}", settings)

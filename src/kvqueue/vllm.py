@@ -164,7 +164,6 @@ def install(
         state = _installed
         if state is None:
             state = _checked(check_version, wrap_foreign, queue_class, name, on_misuse)
-            originals = _originals(state.pool_class, state.wrap_foreign) if pool_guard else {}
             # Every module is read before anything is written: a module whose attribute
             # access raises stops the install with nothing changed.
             targets = _holders(state.original)
