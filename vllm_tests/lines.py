@@ -22,6 +22,7 @@ line per row of lines alike, ``rows()``, the newest line included).
 from __future__ import annotations
 
 import argparse
+import compileall
 import hashlib
 import shutil
 import subprocess
@@ -116,6 +117,9 @@ def overlay(target: Line) -> Path | None:
                     archive.extract(name, staging)
         mark_cpu(target, staging)
         install_missing(target, staging)
+        # Compiled once, for python and python -O (some of vLLM's tests run a -O child with a
+        # timeout), as pip compiles an installed wheel; tracebacks name the overlay's files.
+        compileall.compile_dir(staging, ddir=str(root), quiet=1, optimize=[0, 1], workers=0)
         (staging / _COMPLETE).write_text(marker, encoding="utf-8")
         shutil.rmtree(root, ignore_errors=True)
         staging.rename(root)
