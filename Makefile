@@ -84,8 +84,8 @@ bench-scheduler:
 
 # vLLM's own tests three ways: its queue, kvqueue's twins, then kvqueue's tests against the
 # real vLLM (vllm_tests/run.py; VLLM_TESTS_ARGS=--quick: three suites). An older line
-# (VLLM=0.31.0) runs its tests/v1/core, then the double-free and plugin tests on it (the live
-# engine is make demo's).
+# (VLLM=0.31.0) runs its tests/v1/core, then the double-free tests on it (the live engine is
+# make demo's).
 VLLM ?= $(VLLM_VERSION)
 vllm-tests:
 	@echo "vllm-tests: vLLM $(VLLM) on $(PYTHON311)"
