@@ -439,13 +439,16 @@ def test_repair_skips_the_second_free(kind, monkeypatch):
     assert_pool_whole(pool)
 
 
-def set_hash(block: Any, block_hash: Any) -> None:
-    """Cache a block as vLLM does: ``set_block_hash`` from 0.24 (it keeps the number of
-    tokens hashed too), the ``block_hash`` property's setter in 0.23."""
+def cache(pool: Any, block: Any, block_hash: Any) -> None:
+    """Cache a full block as vLLM's ``cache_full_blocks`` does: its hash (``set_block_hash``
+    from 0.24, which keeps the number of tokens hashed too; the ``block_hash`` setter in
+    0.23), and the pool's map from hashes to blocks, whence reuse evicts it (0.23 resets the
+    hash of a block only when it finds it there)."""
     if "_block_hash_num_tokens" in LINE.block_fields:
         block.set_block_hash(block_hash)
     else:
         block.block_hash = block_hash
+    pool.cached_block_hash_to_block.insert(block_hash, block)
 
 
 FORMS = (
@@ -503,7 +506,7 @@ def test_repair_under_load_never_hands_a_block_to_two_holders(kind, seed, monkey
                 assert not any(block is b for bs in held.values() for b in bs), block.block_id
                 if rng.random() < 0.5:  # a full block, cached: freed to the queue's tail
                     block_hash = kv_cache_utils.BlockHash(rng.randbytes(8))
-                    set_hash(block, kv_cache_utils.make_block_hash_with_group_id(block_hash, 0))
+                    cache(pool, block, kv_cache_utils.make_block_hash_with_group_id(block_hash, 0))
             held[step] = blocks
         elif action < 0.45:
             # A prefix hit: a block some request holds, or a free one (the middle of the queue).
