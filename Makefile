@@ -7,13 +7,16 @@
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
+#                         (VLLM=0.31.0 or VLLM=0.31: another line of src/kvqueue/_vllm_lines.py)
+#   make vllm-matrix      make vllm-tests for every line of that table (VLLM_MATRIX=--ci: CI's)
 #   make demo             a double free in a live vLLM engine: vLLM's queue, kvqueue raise, repair
 #   make memcheck         the compiled twin under AddressSanitizer and valgrind
 #   make py314            the wheel and the suite on Debian unstable's CPython 3.14 (root)
 #   make clean
 #
 # bench-scheduler and vllm-tests always run $(PYTHON311) (default python3.11, whatever PYTHON
-# says), in the vLLM venv of vllm_tests/venv.sh, for the vLLM release vllm_tests/vllm.env pins.
+# says), in the vLLM venv of vllm_tests/venv.sh, for the vLLM release vllm_tests/vllm.env pins;
+# another line's Python is laid over that venv (vllm_tests/lines.py).
 # Downloads and that venv live under one cache root: $KVQUEUE_CI_CACHE, default
 # ~/.cache/kvqueue (.ci/common.sh). .ci/run runs everything CI runs.
 include vllm_tests/vllm.env
@@ -35,7 +38,7 @@ PIP := -m pip install -q
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
-.PHONY: test bench bench-scheduler demo lint memcheck py314 vllm-tests clean
+.PHONY: test bench bench-scheduler demo lint memcheck py314 vllm-tests vllm-matrix clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv --clear $(VENV)
@@ -79,13 +82,24 @@ bench-scheduler:
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
 	    && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
 
-# vLLM's own tests three ways: its queue, kvqueue's twins (vllm_tests/run.py;
-# VLLM_TESTS_ARGS=--quick: three suites), then kvqueue's tests against the real vLLM.
+# vLLM's own tests three ways: its queue, kvqueue's twins, then kvqueue's tests against the
+# real vLLM (vllm_tests/run.py; VLLM_TESTS_ARGS=--quick: three suites). An older line
+# (VLLM=0.31.0) runs its tests/v1/core, then the double-free tests on it (the live engine is
+# make demo's).
+VLLM ?= $(VLLM_VERSION)
 vllm-tests:
-	@echo "vllm-tests: vLLM $(VLLM_VERSION) on $(PYTHON311)"
+	@echo "vllm-tests: vLLM $(VLLM) on $(PYTHON311)"
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
-	    && "$$venv/bin/python" vllm_tests/run.py $(VLLM_TESTS_ARGS) \
-	    && "$$venv/bin/python" -m pytest -p no:cacheprovider -p no:asyncio vllm_tests
+	    && "$$venv/bin/python" vllm_tests/run.py --line $(VLLM) $(VLLM_TESTS_ARGS)
+
+# Every line, each to its end even when one fails; then the table of their results.
+VLLM_MATRIX ?= --list
+vllm-matrix:
+	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) && failed= \
+	    && for line in $$("$$venv/bin/python" vllm_tests/lines.py $(VLLM_MATRIX)); do \
+	        $(MAKE) --no-print-directory vllm-tests VLLM=$$line || failed="$$failed $$line"; done \
+	    ; "$$venv/bin/python" vllm_tests/run.py --table \
+	    && if [ -n "$$failed" ]; then echo "vllm-matrix: failed on$$failed"; exit 1; fi
 
 # A live vLLM engine on the CPU (vllm_tests/live/), a double free injected in its engine core,
 # three ways side by side (DEMO_ARGS=--form B: a free block freed again).
