@@ -9,7 +9,8 @@
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
 #                         (VLLM=0.31.0 or VLLM=0.31: another line of src/kvqueue/_vllm_lines.py)
 #   make vllm-matrix      make vllm-tests for every line of that table (VLLM_MATRIX=--ci: CI's)
-#   make demo             a double free in a live vLLM engine: vLLM's queue, kvqueue raise, repair
+#   make demo             a double free in a live vLLM engine: vLLM alone, kvqueue raise, repair
+#                         (VLLM=0.31.0: on that vLLM line)
 #   make memcheck         the compiled twin under AddressSanitizer and valgrind
 #   make py314            the wheel and the suite on Debian unstable's CPython 3.14 (root)
 #   make clean
@@ -102,9 +103,11 @@ vllm-matrix:
 	    && if [ -n "$$failed" ]; then echo "vllm-matrix: failed on$$failed"; exit 1; fi
 
 # A live vLLM engine on the CPU (vllm_tests/live/), a double free injected in its engine core,
-# three ways side by side (DEMO_ARGS=--form B: a free block freed again).
+# three ways side by side (DEMO_ARGS=--form B: a free block freed again; --form C: a held
+# block in a full pool's free list). VLLM=0.31.0: that release's Python code laid over the
+# venv's vLLM (vllm_tests/live/lines.py); any line of src/kvqueue/_vllm_lines.py.
 demo:
-	$(PYTHON311) vllm_tests/live/demo.py $(DEMO_ARGS)
+	$(PYTHON311) vllm_tests/live/demo.py $(if $(VLLM),--vllm $(VLLM)) $(DEMO_ARGS)
 
 # MEMCHECK_ARGS=--full: the whole suite under both tools.
 memcheck: $(VENV)/.ready

@@ -1,24 +1,30 @@
 """What kvqueue is for, on any machine: a double free injected into a live vLLM engine on the CPU,
-side by side with vLLM's own queue, kvqueue under ``raise``, kvqueue under ``repair``.
+side by side with vLLM alone, kvqueue under ``raise``, kvqueue under ``repair``.
 
-``python vllm_tests/live/demo.py [--form A|B]``, from any Python 3: it builds or reuses the CPU
-vLLM venv (``vllm_tests/venv.sh``: once, several minutes; this checkout's kvqueue is installed
-there), runs itself again with that venv's python, then starts ``vllm.LLM`` three times with the
-stub model (``vllm_tests/live/``: engine core in its own process, about 20 s each), each serving
-three rounds of 20 requests while one double free is injected inside the engine core:
+``python vllm_tests/live/demo.py [--form A|B|C] [--vllm 0.31.0]``, from any Python 3: it builds
+or reuses the CPU vLLM venv (``vllm_tests/venv.sh``: once, several minutes; this checkout's
+kvqueue is installed there), runs itself again with that venv's python (``--vllm``: with that
+release's Python code first on ``PYTHONPATH``, ``live.lines``), then starts ``vllm.LLM`` three
+times with the stub model (``vllm_tests/live/``: engine core in its own process, a KV cache on
+the CPU), each serving three rounds of 20 requests while one double free is injected inside
+the engine core:
 
 * ``A`` (default, vLLM issue 42571): a request's block given twice in one
   ``BlockPool.free_blocks()`` call as the request finishes;
-* ``B``: a block that is already free, freed again when the next request finishes.
+* ``B``: a block that is already free, freed again when the next request finishes;
+* ``C``: what a double free leaves in a full pool: a block a request holds, in the free list.
 
+Each completion is compared with the stub model's own answer (``model.completion``): a block
+held by two requests at once gives one of them the other's tokens, and a wrong completion.
 The engine core's own checks (each block's ``ref_cnt`` against its holders, the free list
-against the count) say what each queue did with it.
+against the count) say what each queue did with the double free.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,18 +38,24 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 #: Set when the demo runs itself again inside the vLLM venv.
 IN_VENV = "_KVQUEUE_DEMO_IN_VENV"
-WIDTH = 30  # of a column
-LABEL = 25  # of the rows' names
+#: The screen: a 100-column terminal.
+SCREEN = 100
+LABEL = 13  # of the rows' names
+WIDTH = (SCREEN - LABEL) // 3 - 2  # of a column, 2 blanks between columns
 FORMS = {
     "A": "a block given twice in one BlockPool.free_blocks() call (vLLM issue 42571)",
     "B": "a block that is already free, freed again",
+    "C": "a block a running request holds, linked into the free list of a full pool",
 }
+#: Form C needs a pool that fills up: fewer blocks than a round's peak.
+BLOCKS = {"C": 96}
+ROUNDS, REQUESTS, MAX_TOKENS = 3, 20, 24
 
 
-def enter_venv() -> None:
+def enter_venv(release: str | None) -> None:
     """Build or reuse the vLLM venv, then replace this process by the demo in it."""
-    print("kvqueue demo: the CPU vLLM 0.33.0 venv (vllm_tests/venv.sh; the first build takes "
-          "several minutes and about 4 GB)", flush=True)  # fmt: skip
+    print("kvqueue demo: the CPU vLLM venv (vllm_tests/venv.sh; the first build: several "
+          "minutes, 4 GB)", flush=True)  # fmt: skip
     built = with_progress(
         "vllm_tests/venv.sh",
         lambda: subprocess.run(
@@ -55,8 +67,22 @@ def enter_venv() -> None:
     )
     venv = built.stdout.strip()
     python = str(Path(venv) / "bin" / "python")
+    env = {**os.environ, IN_VENV: "1"}
+    if release is not None:
+        # The venv's python decides which of the line's requirements it lacks.
+        line = with_progress(
+            f"vLLM {release}'s Python code (vllm_tests/live/lines.py)",
+            lambda: subprocess.run(
+                [python, str(HERE / "lines.py"), release],
+                stdout=subprocess.PIPE,
+                text=True,
+                check=True,
+            ),
+        ).stdout.strip()
+        if line:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [line, env.get("PYTHONPATH")]))
     print(f"kvqueue demo: using {venv}", flush=True)
-    os.execve(python, [python, __file__, *sys.argv[1:]], {**os.environ, IN_VENV: "1"})
+    os.execve(python, [python, __file__, *sys.argv[1:]], env)
 
 
 def with_progress(label: str, call: Any) -> Any:
@@ -79,17 +105,6 @@ def with_progress(label: str, call: Any) -> Any:
         print(f"\r  {label}: done in {time.monotonic() - start:.0f} s", flush=True)
 
 
-def expected_outputs(driver: Any, rounds: int, requests: int, max_tokens: int) -> list[Any]:
-    """The stub's answer to every prompt: each token the one after the last."""
-    return [
-        [
-            [(p[-1] + k) % driver.VOCAB for k in range(1, max_tokens + 1)]
-            for p in driver.prompts(r, requests)
-        ]
-        for r in range(rounds)
-    ]
-
-
 def queue_name(qualified: str) -> str:
     if qualified.startswith("kvqueue._queue_py."):
         return "kvqueue, pure twin"
@@ -98,120 +113,180 @@ def queue_name(qualified: str) -> str:
     return "vLLM's own" if qualified.startswith("vllm.") else qualified
 
 
-def describe(run: Any, expected: list[Any]) -> dict[str, str]:
-    """One column of the table: what the engine core saw and what the user got."""
-    start = next(iter(run.events("started")), {})
-    status = start.get("status")
-    injected = run.events("injected")
-    refused = run.events("refused")
-    repaired = [e for e in run.events("log") if "double free" in e["message"]]
+def tally(run: Any, expected: list[list[list[int]]]) -> dict[str, int]:
+    """How many completions the user got right, got wrong, and never got."""
+    right = wrong = 0
+    # strict=False: a dead engine leaves rounds unserved
+    for got_round, want_round in zip(run.result["outputs"], expected, strict=False):
+        for got, want in zip(got_round, want_round, strict=True):
+            right += got == want
+            wrong += got != want
+    return {"right": right, "wrong": wrong, "unserved": sum(map(len, expected)) - right - wrong}
+
+
+def call_in(message: str) -> str:
+    """The pool method a kvqueue message names."""
+    found = re.search(r"BlockPool\.\w+\(\)", message)
+    return found.group(0) if found else "?"
+
+
+def at_fault(run: Any) -> tuple[str, str]:
+    """What the pool did with the double free: (one cell, the whole message or '')."""
+    refused = [e["message"] for e in run.events("refused")]
+    refused += [e["message"] for e in run.events("died") if "double free" in e["message"]]
+    repaired = [e["message"] for e in run.events("log") if "double free" in e["message"]]
+    violations = run.events("violation")
+    if refused:
+        return f"refused at {call_in(refused[0])}: ValueError", refused[0]
+    if repaired:
+        kind = re.search(r"\((\w+) #", repaired[0])
+        return f"repaired at {call_in(repaired[0])} ({kind.group(1) if kind else '?'})", ""
+    if violations:
+        return "accepted: " + violations[0]["found"][0], ""
+    return "nothing seen", ""
+
+
+def root_cause(run: Any) -> str:
+    """The last exception line the engine core logged: why it did not start."""
+    logged = r"^\(EngineCore[^)]*\).*?\] (\w+(?:Error|Exception): .*)$"
+    errors = re.findall(logged, run.output, re.M)
+    return f"the engine did not start: {errors[-1] if errors else run.result['error']}"
+
+
+def afterwards(run: Any) -> str:
     violations = run.events("violation")
     died = run.events("died")
-    served = sum(
-        got == want
-        # strict=False: a dead engine leaves rounds unserved
-        for round_got, round_want in zip(run.result["outputs"], expected, strict=False)
-        for got, want in zip(round_got, round_want, strict=True)
-    )
-    if refused:
-        at_fault = f"refused: {refused[0]['message']}"
-    elif repaired:
-        at_fault = f"repaired: {repaired[0]['message']}"
-    elif violations:
-        at_fault = "accepted: " + violations[0]["found"][0]
+    if not violations:
+        text = "pool exact after every step"
+    elif violations[-1]["found"]:
+        text = f"pool wrong in {violations[-1]['violating_steps']} checks"
     else:
-        at_fault = "nothing seen"
-    if violations:
-        later = f"pool wrong in {violations[-1]['violating_steps']} checks, e.g. " + "; ".join(
-            sorted({f for v in violations for f in v["found"]}, key=len)[:2]
-        )
-    else:
-        later = "pool exact after every step"
+        text = f"pool wrong in {violations[-1]['violating_steps']} checks, then exact"
     if died:
-        later += f"; engine core died: {died[0]['type']} at {died[0]['raised_at']}"
+        text += f"; engine core died: {died[0]['type']} in {died[0]['raised_at'].split()[-1]}"
+    return text
+
+
+def describe(run: Any, expected: list[list[list[int]]]) -> dict[str, str]:
+    """One column of the table: what the engine core saw and what the user got."""
+    start = next(iter(run.events("started")), None)
+    injected = run.events("injected")
+    counts = tally(run, expected)
+    total = sum(counts.values())
+    error = run.result["error"]
     return {
-        "queue in the engine core": queue_name(start.get("queue", "?")),
-        "pool guard": "n/a (this kvqueue has none)"
-        if status is None
-        else str(status["pool_guard"]),
+        "queue": queue_name(start["queue"]) if start else "(the engine did not start)",
+        "pool guard": ("on" if start["status"]["pool_guard"] else "off") if start else "?",
         "injected": (
             f"block {injected[0]['block']} (ref_cnt {injected[0]['ref_cnt']})"
             if injected
             else "none"
         ),
-        "at the faulty free": at_fault,
-        "afterwards": later,
-        "requests served right": f"{served} of {sum(map(len, expected))}",
-        "user sees": run.result["error"] or "every completion",
+        "at the fault": at_fault(run)[0],
+        "afterwards": afterwards(run),
+        "served right": f"{counts['right']} of {total}",
+        "served wrong": f"{counts['wrong']}, with no error" if counts["wrong"] else "none",
+        "not served": (
+            f"{counts['unserved']}: {error.split(':')[0]}" if counts["unserved"] else "none"
+        ),
     }
 
 
 def table(columns: dict[str, dict[str, str]]) -> str:
     rows = list(next(iter(columns.values())))
-    lines = [" " * LABEL + "".join(f"{name:<{WIDTH + 2}}" for name in columns)]
-    lines.append("-" * (LABEL + (WIDTH + 2) * len(columns)))
+    lines = [" " * LABEL + "".join(f"{name:<{WIDTH + 2}}" for name in columns).rstrip()]
+    lines.append("-" * SCREEN)
     for row in rows:
         cells = [textwrap.wrap(column[row], WIDTH) or [""] for column in columns.values()]
         for i in range(max(map(len, cells))):
             label = row if i == 0 else ""
             text = "".join(f"{(c[i] if i < len(c) else ''):<{WIDTH + 2}}" for c in cells)
             lines.append(f"{label:<{LABEL}}{text}".rstrip())
-        lines.append("")
     return "\n".join(lines)
+
+
+def verdict(counts: dict[str, dict[str, int]], stopped: bool, alone_pool_wrong: bool) -> str:
+    """One line, at most 100 columns: what each contender did to the users' completions."""
+    alone, raised, repair = counts["vLLM alone"], counts["kvqueue raise"], counts["kvqueue repair"]
+    total = sum(alone.values())
+    if alone["wrong"]:
+        said = f"vLLM alone: {alone['wrong']}/{total} served wrong, silently"
+    else:  # the damage may not have reached a completion yet (vLLM 0.23 loses the block)
+        said = f"vLLM alone: {alone['right']}/{total} right"
+        said += ", its pool wrong" if alone_pool_wrong else ""
+    if raised["wrong"]:
+        said += f"; raise: {raised['wrong']} wrong"
+    said += "; raise: stopped at the fault" if stopped else "; raise: did not stop"
+    return f"verdict: {said}; repair: {repair['right']}/{total} right"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--form", choices=sorted(FORMS), default="A")
+    parser.add_argument("--vllm", help="the vLLM release to run (default: the venv's own)")
     args = parser.parse_args()
     if not os.environ.get(IN_VENV):
-        enter_venv()
+        enter_venv(args.vllm)
     sys.path.insert(0, str(HERE.parent))
+    import vllm
+
     import kvqueue
     import kvqueue.vllm
     from live import driver
 
-    print(f"kvqueue {kvqueue.__version__} ({kvqueue.IMPLEMENTATION}); pool guard "
-          f"{'present' if hasattr(kvqueue.vllm, 'status') else 'not in this kvqueue'}")  # fmt: skip
-    print(f"injecting form {args.form}: {FORMS[args.form]}, while vllm.LLM serves 3 rounds of 20 "
-          "requests (stub model, engine core in its own process)")  # fmt: skip
-    expected = expected_outputs(driver, 3, 20, 24)
+    if args.vllm is not None and vllm.__version__.split("+")[0] != args.vllm:
+        print(f"kvqueue demo: vLLM {vllm.__version__} imported, not {args.vllm}", file=sys.stderr)
+        return 2
+    print(textwrap.fill(
+        f"kvqueue {kvqueue.__version__} ({kvqueue.IMPLEMENTATION}), vLLM {vllm.__version__}; "
+        f"form {args.form}: {FORMS[args.form]}; vllm.LLM serves {ROUNDS} rounds of {REQUESTS} "
+        "requests (stub model with a KV cache on the CPU, engine core in its own process)",
+        SCREEN,
+    ))  # fmt: skip
+    expected = driver.completions(ROUNDS, REQUESTS, MAX_TOKENS)
     scenarios = {
-        "vLLM's queue": (None, None),
+        "vLLM alone": (None, None),
         "kvqueue raise": ("1", "raise"),
         "kvqueue repair": ("1", "repair"),
     }
+    blocks = ("--blocks", str(BLOCKS[args.form])) if args.form in BLOCKS else ()
     columns: dict[str, dict[str, str]] = {}
-    excerpts: dict[str, list[str]] = {}
+    counts: dict[str, dict[str, int]] = {}
+    excerpts: dict[str, str] = {}
+    runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work:
         for name, (setting, policy) in scenarios.items():
-            env = (
-                f"KVQUEUE_VLLM={setting} KVQUEUE_ON_MISUSE={policy}" if setting else "no KVQUEUE_*"
-            )
-            run = with_progress(
+            env = "no KVQUEUE_*"
+            if setting:
+                env = f"KVQUEUE_VLLM={setting} KVQUEUE_ON_MISUSE={policy}"
+            runs[name] = run = with_progress(
                 f"{name} ({env})",
-                lambda s=setting, p=policy: driver.run(Path(work), s, p, args.form),
-            )
+                lambda s=setting, p=policy: driver.run(
+                    Path(work), s, p, args.form,
+                    args=("--rounds", str(ROUNDS), "--requests", str(REQUESTS),
+                          "--max-tokens", str(MAX_TOKENS), *blocks),
+                ),
+            )  # fmt: skip
             columns[name] = describe(run, expected)
-            # The exception lines the engine core logged (not the source lines of tracebacks).
-            excerpts[name] = [
-                line for line in run.output.splitlines()
-                if ("Error: " in line and "double free" in line)
-                or line.rstrip().endswith("AssertionError")  # vLLM's bare assert
-            ][:2]  # fmt: skip
+            counts[name] = tally(run, expected)
+            excerpts[name] = at_fault(run)[1] if run.events("started") else root_cause(run)
     print()
     print(table(columns))
-    for name, lines in excerpts.items():
-        if lines:
-            print(f"{name}, from the engine's output:")
-            for line in lines:
-                print("  " + textwrap.shorten(line, 160))
+    print("-" * SCREEN)
+    for name, message in excerpts.items():
+        if message:
+            print(textwrap.fill(f"{name}: {message}", SCREEN, subsequent_indent="  "))
+    repair, raised = runs["kvqueue repair"], runs["kvqueue raise"]
+    stopped = bool(excerpts["kvqueue raise"]) and raised.result["error"] is not None
+    alone_violations = runs["vLLM alone"].events("violation")
+    print(verdict(counts, stopped, bool(alone_violations and alone_violations[-1]["found"])))
     # What the demo shows is what kvqueue claims: CI runs it, so a claim that fails fails it.
-    repair = columns["kvqueue repair"]
     shown = (
-        repair["requests served right"] == "60 of 60"
-        and repair["afterwards"].startswith("pool exact")
-        and bool(excerpts["kvqueue raise"])
+        counts["kvqueue repair"]["right"] == sum(counts["kvqueue repair"].values())
+        and not repair.events("died")
+        and (not repair.events("violation") or not repair.events("violation")[-1]["found"])
+        and stopped
+        and counts["kvqueue raise"]["wrong"] == 0
     )
     if not shown:
         print("kvqueue demo: kvqueue did not do what this demo says it does", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Start vLLM 0.33.0 on the CPU as a user does, serve rounds of requests, report as JSON.
+"""Start vLLM on the CPU as a user does, serve rounds of requests, report as JSON.
 
 ``python -m live.driver --out RESULT.json`` (``vllm_tests`` on ``PYTHONPATH``) runs one engine:
 ``vllm.LLM`` (or ``AsyncLLM`` with ``--api async``) with V1 multiprocessing on (the engine core
@@ -30,25 +30,35 @@ from typing import Any
 from live import INJECT, INJECT_COUNT, JOURNAL, model
 
 HERE = Path(__file__).resolve().parent
-#: Requests in a group share a two-block prefix (the same in every round): later rounds
-#: hit it in the prefix cache, the rest of each prompt is new and evicts older blocks.
-GROUP = 5
 BLOCK_SIZE = 16
+#: Request i of every round starts with the same two-block prefix, its own: round r + 1's
+#: request i hits round r's in the prefix cache (one request per cached prefix block, so a
+#: block a double free left in the free list stays there once the hit takes it); the rest of
+#: each prompt is new and evicts older blocks.
 PREFIX = 2 * BLOCK_SIZE
-#: A small pool, so that rounds reuse and evict blocks (and may preempt requests).
-NUM_BLOCKS = 80
-VOCAB = model.CONFIG["vocab_size"]
+#: A pool a little larger than a round's peak (about 120 blocks): a round's blocks stay cached
+#: for the next, which evicts most of them.
+NUM_BLOCKS = 160
+VOCAB = model.VOCAB
 
 
 def prompts(round_: int, count: int) -> list[list[int]]:
     """The token ids of round ``round_``'s ``count`` prompts (same arguments, same prompts)."""
     result = []
     for index in range(count):
-        group = random.Random(f"group {index // GROUP}")
+        shared = random.Random(f"prefix {index}")
         own = random.Random(f"round {round_} request {index}")
-        prefix = [group.randrange(3, VOCAB) for _ in range(PREFIX)]
+        prefix = [shared.randrange(3, VOCAB) for _ in range(PREFIX)]
         result.append(prefix + [own.randrange(3, VOCAB) for _ in range(own.randint(8, 72))])
     return result
+
+
+def completions(rounds: int, requests: int, max_tokens: int) -> list[list[list[int]]]:
+    """What a right engine answers to each prompt of each round (``model.completion``)."""
+    return [
+        [model.completion(prompt, max_tokens) for prompt in prompts(round_, requests)]
+        for round_ in range(rounds)
+    ]
 
 
 def engine_kwargs(model_dir: Path, *, plain: bool, blocks: int = NUM_BLOCKS) -> dict[str, Any]:
@@ -59,7 +69,7 @@ def engine_kwargs(model_dir: Path, *, plain: bool, blocks: int = NUM_BLOCKS) -> 
         "enable_prefix_caching": True,
         "block_size": BLOCK_SIZE,
         "num_gpu_blocks_override": blocks,
-        "max_model_len": 1024,
+        "max_model_len": model.MAX_LEN,
         "seed": 0,
     }
     if not plain:

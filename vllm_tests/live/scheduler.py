@@ -7,18 +7,21 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   requests' block tables (the single full-attention manager's ``req_to_blocks``): each block's
   ``ref_cnt`` equals its number of holders, and the free list holds exactly the blocks nobody
   holds, as many as the pool counts; the first violations are written down;
-* with ``_KVQUEUE_TEST_INJECT=A``, ``B`` or ``AB`` (both) it injects a double free into vLLM's
-  own freeing of a finished request (``_free_request_blocks``), so the faulty call is vLLM's
-  ``BlockPool.free_blocks()`` on the request's block list:
+* with ``_KVQUEUE_TEST_INJECT`` naming forms (``A``, ``B``, ``C``; ``AB``: both) it injects
+  double frees. ``A`` and ``B`` go into vLLM's own freeing of a finished request
+  (``_free_blocks``, in every line), so the faulty call is vLLM's ``BlockPool.free_blocks()``
+  on the request's block list:
 
   - ``A`` (vLLM issue 42571): a block that request alone holds is in its list twice, so the
     one ``free_blocks()`` call gives it twice;
   - ``B``: a block that is already free (a finished request's prefix block, cached) is in the
-    list of the next request that finishes, so it is freed again.
+    list of the next request that finishes, so it is freed again;
 
-  The injected block is a request's first block: the next round's prompts of its group hit
-  it in the prefix cache. ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections
-  of each form.
+  the block is a request's first block: the next round's request of the same index hits it
+  in the prefix cache. ``C`` is what such a double free leaves in a full pool: once a step has
+  scheduled every block, a block that a running request holds (``ref_cnt`` 1) is linked into
+  the free list, which then counts one free block, so the next allocation meets it.
+  ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections of each form.
 
 Everything it sees goes, one JSON object a line, to the journal ``_KVQUEUE_TEST_JOURNAL``
 (appended and flushed at once, so it survives the engine core's death): the queue and guard
@@ -40,7 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from live import INJECT, INJECT_COUNT, JOURNAL
 
-#: vLLM 0.33.0's BlockPool methods that move reference counts or hand out blocks.
+#: The BlockPool methods that move reference counts or hand out blocks (unpin_blocks: 0.30+).
 GUARDED = ("free_blocks", "touch", "get_new_blocks", "unpin_blocks")
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
@@ -71,18 +74,24 @@ class _ToJournal(logging.Handler):
 
 def pool_evidence(pool: BlockPool) -> dict[str, Any]:
     """What this process's pool is built of: its queue's class, and kvqueue's own view."""
+    import vllm
+
     import kvqueue.vllm
 
-    status = getattr(kvqueue.vllm, "status", None)
+    status = kvqueue.vllm.status()
     return {
+        "vllm": vllm.__version__,
         "queue": f"{type(pool.free_block_queue).__module__}.{type(pool.free_block_queue).__name__}",
         "on_misuse": getattr(pool.free_block_queue, "on_misuse", None),
-        "installed": kvqueue.vllm.installed(),
-        # None when this kvqueue has no pool guard yet.
-        "status": status() if status is not None else None,
+        "installed": status["implementation"],
+        "status": status,
         # Where the code of each pool method the guard covers comes from: vLLM's block_pool.py
         # unguarded (a wrapper may copy vLLM's names, never its code object).
-        "methods": {name: _defined_in(getattr(type(pool), name)) for name in GUARDED},
+        "methods": {
+            name: _defined_in(getattr(type(pool), name))
+            for name in GUARDED
+            if hasattr(type(pool), name)
+        },
         "num_blocks": pool.num_gpu_blocks,
     }
 
@@ -129,7 +138,8 @@ def violations(pool: BlockPool, tables: list[dict[str, list[Any]]]) -> list[str]
             found.append(f"block {block.block_id}: ref_cnt {block.ref_cnt}, {held} holders")
         if held and block.block_id in linked_set:
             found.append(f"block {block.block_id}: held by {held} and in the free list")
-        if not held and block.ref_cnt == 0 and block.block_id not in linked_set:
+        # ref_cnt below 0: freed once too often, and no free list holds it (vLLM 0.23).
+        if not held and block.ref_cnt <= 0 and block.block_id not in linked_set:
             found.append(f"block {block.block_id}: held by none, not in the free list (lost)")
     return found
 
@@ -150,7 +160,7 @@ class CheckedScheduler(Scheduler):
         (self.manager,) = self.kv_cache_manager.coordinator.single_type_managers
         count = int(os.environ.get(INJECT_COUNT, "1"))
         # form -> injections still to make
-        self.left = {form: count for form in os.environ.get(INJECT, "") if form in "AB"}
+        self.left = {form: count for form in os.environ.get(INJECT, "") if form in "ABC"}
         self.stale: Any = None  # form B: a freed prefix block to free again
         self.steps = 0
         self.violating_steps = 0
@@ -160,12 +170,14 @@ class CheckedScheduler(Scheduler):
         logging.getLogger("kvqueue").addHandler(_ToJournal(self.journal))
         evidence = pool_evidence(self.pool)
         # Repair counters are read only from a pool the guard watches.
-        self.guarded = bool((evidence["status"] or {}).get("pool_guard"))
+        self.guarded = evidence["status"]["pool_guard"]
         self.journal.write("started", **evidence)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = self._watched(super().schedule, *args, **kwargs)
         self._check("schedule")
+        if self.left.get("C") and self.pool.get_num_free_blocks() == 0:
+            self._plant()
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
@@ -208,11 +220,11 @@ class CheckedScheduler(Scheduler):
             self.repairs = repairs
             self.journal.write("repairs", step=self.steps, counters=repairs)
 
-    def _free_request_blocks(self, request: Any) -> None:
+    def _free_blocks(self, request: Any) -> None:
         blocks = self.manager.req_to_blocks.get(request.request_id, [])
         injected = self._inject(request.request_id, blocks)
         try:
-            super()._free_request_blocks(request)
+            super()._free_blocks(request)
         except ValueError as error:
             if injected is None:
                 raise
@@ -234,6 +246,8 @@ class CheckedScheduler(Scheduler):
     def _inject(self, request_id: str, blocks: list[Any]) -> int | None:
         """Add a due double free to ``blocks`` (the request's table); the block's id, or None."""
         for form, left in self.left.items():
+            if form == "C":
+                continue
             block = self._candidate(form, blocks) if left and blocks else None
             if block is None:
                 continue
@@ -250,6 +264,26 @@ class CheckedScheduler(Scheduler):
             )
             return int(block.block_id)
         return None
+
+    def _plant(self) -> None:
+        """Form C: a block a running request alone holds, linked into the empty free list."""
+        for request_id, blocks in self.manager.req_to_blocks.items():
+            block = next((b for b in blocks if not b.is_null and b.ref_cnt == 1), None)
+            if block is None:
+                continue
+            self.left["C"] -= 1
+            self.pool.free_block_queue.append(block)
+            self.journal.write(
+                "injected",
+                form="C",
+                step=self.steps,
+                request=request_id,
+                block=block.block_id,
+                ref_cnt=block.ref_cnt,
+                free_blocks=self.pool.get_num_free_blocks(),
+            )
+            self._check("planted")  # the planted state, before anything meets it
+            return
 
     def _candidate(self, form: str, blocks: list[Any]) -> Any:
         if form == "A":
