@@ -105,7 +105,7 @@ vllm-matrix:
 # A live vLLM engine on the CPU (vllm_tests/live/), a double free injected in its engine core,
 # three ways side by side (DEMO_ARGS=--form B: a free block freed again; --form C: a held
 # block in a full pool's free list). VLLM=0.31.0: that release's Python code laid over the
-# venv's vLLM (vllm_tests/live/lines.py); any line of src/kvqueue/_vllm_lines.py.
+# venv's vLLM (vllm_tests/lines.py); any line of src/kvqueue/_vllm_lines.py.
 demo:
 	$(PYTHON311) vllm_tests/live/demo.py $(if $(VLLM),--vllm $(VLLM)) $(DEMO_ARGS)
 
