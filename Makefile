@@ -7,6 +7,8 @@
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
+#                         (VLLM=0.31.0 or VLLM=0.31: another line of src/kvqueue/_vllm_lines.py)
+#   make vllm-matrix      make vllm-tests for every line of that table (VLLM_MATRIX=--ci: CI's)
 #   make demo             a double free in a live vLLM engine: vLLM alone, kvqueue raise, repair
 #                         (VLLM=0.31.0: on that vLLM line)
 #   make memcheck         the compiled twin under AddressSanitizer and valgrind
@@ -14,7 +16,8 @@
 #   make clean
 #
 # bench-scheduler and vllm-tests always run $(PYTHON311) (default python3.11, whatever PYTHON
-# says), in the vLLM venv of vllm_tests/venv.sh, for the vLLM release vllm_tests/vllm.env pins.
+# says), in the vLLM venv of vllm_tests/venv.sh, for the vLLM release vllm_tests/vllm.env pins;
+# another line's Python is laid over that venv (vllm_tests/lines.py).
 # Downloads and that venv live under one cache root: $KVQUEUE_CI_CACHE, default
 # ~/.cache/kvqueue (.ci/common.sh). .ci/run runs everything CI runs.
 include vllm_tests/vllm.env
@@ -36,7 +39,7 @@ PIP := -m pip install -q
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
-.PHONY: test bench bench-scheduler demo lint memcheck py314 vllm-tests clean
+.PHONY: test bench bench-scheduler demo lint memcheck py314 vllm-tests vllm-matrix clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv --clear $(VENV)
@@ -80,18 +83,29 @@ bench-scheduler:
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
 	    && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
 
-# vLLM's own tests three ways: its queue, kvqueue's twins (vllm_tests/run.py;
-# VLLM_TESTS_ARGS=--quick: three suites), then kvqueue's tests against the real vLLM.
+# vLLM's own tests three ways: its queue, kvqueue's twins, then kvqueue's tests against the
+# real vLLM (vllm_tests/run.py; VLLM_TESTS_ARGS=--quick: three suites). An older line
+# (VLLM=0.31.0) runs its tests/v1/core, then the double-free tests on it (the live engine is
+# make demo's).
+VLLM ?= $(VLLM_VERSION)
 vllm-tests:
-	@echo "vllm-tests: vLLM $(VLLM_VERSION) on $(PYTHON311)"
+	@echo "vllm-tests: vLLM $(VLLM) on $(PYTHON311)"
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
-	    && "$$venv/bin/python" vllm_tests/run.py $(VLLM_TESTS_ARGS) \
-	    && "$$venv/bin/python" -m pytest -p no:cacheprovider -p no:asyncio vllm_tests
+	    && "$$venv/bin/python" vllm_tests/run.py --line $(VLLM) $(VLLM_TESTS_ARGS)
+
+# Every line, each to its end even when one fails; then the table of their results.
+VLLM_MATRIX ?= --list
+vllm-matrix:
+	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) && failed= \
+	    && for line in $$("$$venv/bin/python" vllm_tests/lines.py $(VLLM_MATRIX)); do \
+	        $(MAKE) --no-print-directory vllm-tests VLLM=$$line || failed="$$failed $$line"; done \
+	    ; "$$venv/bin/python" vllm_tests/run.py --table \
+	    && if [ -n "$$failed" ]; then echo "vllm-matrix: failed on$$failed"; exit 1; fi
 
 # A live vLLM engine on the CPU (vllm_tests/live/), a double free injected in its engine core,
 # three ways side by side (DEMO_ARGS=--form B: a free block freed again; --form C: a held
 # block in a full pool's free list). VLLM=0.31.0: that release's Python code laid over the
-# venv's vLLM (vllm_tests/live/lines.py); any line of src/kvqueue/_vllm_lines.py.
+# venv's vLLM (vllm_tests/lines.py); any line of src/kvqueue/_vllm_lines.py.
 demo:
 	$(PYTHON311) vllm_tests/live/demo.py $(if $(VLLM),--vllm $(VLLM)) $(DEMO_ARGS)
 

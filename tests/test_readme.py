@@ -33,3 +33,22 @@ def test_readme_example_prints_what_it_says(example: str) -> None:
         exec(compile(code, str(README), "exec"), {})
     expected = expected.replace("cython", kvqueue.IMPLEMENTATION, 1)
     assert out.getvalue().strip() == expected
+
+
+def test_the_settings_table_says_what_each_variable_does() -> None:
+    """Each variable's meaning is written once, in kvqueue._env; the README quotes it."""
+    if not README.exists():
+        pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
+    from kvqueue import _env
+
+    rows = re.findall(r"^\| `(KVQUEUE_\w+)` \| (.*) \|$", README.read_text(), re.MULTILINE)
+    assert dict(rows) == dict(_env.MEANINGS)
+
+
+def test_the_table_of_lines_is_the_codes() -> None:
+    if not README.exists():
+        pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
+    from kvqueue._vllm_lines import LINES
+
+    rows = re.findall(r"^\| (0\.\d+) \| (0\.\d+\.\d+) \|", README.read_text(), re.MULTILINE)
+    assert rows == [(line.name, line.release) for line in LINES]

@@ -6,11 +6,14 @@ vLLM's conftest files and test modules, so every name they import is the patched
 
 Whatever the choice, ``BlockPool.__init__`` is wrapped: a test in which a pool was built
 with any other queue class than the expected one (kvqueue's twin, or vLLM's own for
-``none``) fails, whatever the test itself asserted. The number of pools a test built is
+``none``) fails, whatever the test itself asserted; so does a test after which one of
+``BlockPool``'s guarded methods is not the one installed (the same object: kvqueue's
+guards, or vLLM's own methods for ``none``). The number of pools a test built is
 kept in its report (``user_properties``) and summed in the terminal summary.
 
 ``--kvqueue-report=PATH`` writes ``{nodeid: {"outcome": ..., "pools": n}}`` as JSON at the
-end (under xdist, on the controller), the outcome being the worst of the test's phases.
+end (under xdist, on the controller), the outcome being the worst of the test's phases, or
+``deselected`` for a test that ``--deselect`` left out.
 
 vLLM's own ``skip_global_cleanup`` marker is put on every test: its docstring calls it a
 ~10x speedup for tests that need no device; without it every test ends with a full
@@ -31,6 +34,9 @@ TWINS = ("none", "cython", "python")
 _RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "failed": 2, "error": 3}
 
 _expected: type | None = None
+# BlockPool's methods as installed (kvqueue's guards, or vLLM's own for ``none``): each test
+# must leave them in place. Taken by identity: kvqueue marks its guards no other way.
+_methods: dict[str, Any] = {}
 _built: list[type] = []
 _results: dict[str, dict[str, Any]] = {}
 
@@ -65,6 +71,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 
         _expected = kvqueue.vllm.install(twin, on_misuse=policy)
         assert kvqueue.vllm.status()["pool_guard"], "kvqueue's pool guard is not on"
+    names = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
+    _methods.update((name, vars(block_pool.BlockPool)[name]) for name in names
+                    if name in vars(block_pool.BlockPool))  # fmt: skip
     original = block_pool.BlockPool.__init__
 
     @functools.wraps(original)
@@ -76,12 +85,12 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    guard = (
-        "guarded"
-        if getattr(block_pool.BlockPool.free_blocks, "__kvqueue_guard__", False)
-        else "unguarded"
-    )
-    return f"kvqueue: {config.getoption('kvqueue')}, BlockPool queue class {_expected!r}, {guard}"
+    guarded = "unguarded"
+    if config.getoption("kvqueue") != "none":
+        import kvqueue.vllm
+
+        guarded = "guarded: " + ", ".join(kvqueue.vllm.status()["guarded"])
+    return f"kvqueue: {config.getoption('kvqueue')}, BlockPool queue class {_expected!r}, {guarded}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -98,17 +107,15 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     result = yield
-    wrong = {cls for cls in _built if cls is not _expected}
-    # With a twin, every pool method the guard wraps must still be the guard.
-    guarded = getattr(block_pool.BlockPool.free_blocks, "__kvqueue_guard__", False)
-    if guarded != (item.config.getoption("kvqueue") != "none"):
-        wrong.add(f"BlockPool.free_blocks guarded={guarded}")
+    wrong = [f"a BlockPool was built with {cls!r}, not {_expected!r}"
+             for cls in set(_built) if cls is not _expected]  # fmt: skip
+    # Every pool method must still be the one installed (with a twin: the guard).
+    wrong += [f"BlockPool.{name} is no longer the method installed"
+              for name, method in _methods.items()
+              if vars(block_pool.BlockPool).get(name) is not method]  # fmt: skip
     item.user_properties.append(("kvqueue_pools", len(_built)))
     if wrong:
-        raise AssertionError(
-            f"kvqueue_plugin: a BlockPool was built with {sorted(map(repr, wrong))}, "
-            f"not {_expected!r}"
-        )
+        raise AssertionError("kvqueue_plugin: " + "; ".join(sorted(wrong)))
     return result
 
 
@@ -123,6 +130,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         outcome = report.outcome
     if _RANK[outcome] > _RANK[entry["outcome"]]:
         entry["outcome"] = outcome
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    # Kept so that run.py can tell an exclusion that names no test of the release.
+    for item in items:
+        _results[item.nodeid] = {"outcome": "deselected", "pools": 0}
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

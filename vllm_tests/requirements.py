@@ -2,7 +2,8 @@
 
 Run with the venv's python after ``pip install --no-deps vllm``: the list is read from the
 installed distribution's metadata, so it follows the pinned release instead of a copy of it.
-Markers are evaluated for this interpreter and platform; extras are dropped.
+Markers are evaluated for this interpreter and platform; extras are dropped. lines.py reads an
+older line's wheel with ``needed()`` too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CUDA_ONLY = {
     "quack-kernels",
     "tokenspeed-mla",
     "humming-kernels",
+    "flashinfer-cubin",
 }
 LEFT_OUT = TORCH_FAMILY | CUDA_ONLY
 
@@ -36,13 +38,20 @@ def _canonical(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-def main() -> None:
-    for text in requires("vllm") or []:
+def needed(texts: list[str]) -> list[Requirement]:
+    """Of a distribution's ``Requires-Dist`` lines, those for this machine and the CPU."""
+    wanted = []
+    for text in texts:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
             continue
-        if _canonical(req.name) in LEFT_OUT:
-            continue
+        if _canonical(req.name) not in LEFT_OUT:
+            wanted.append(req)
+    return wanted
+
+
+def main() -> None:
+    for req in needed(requires("vllm") or []):
         print(req)
 
 

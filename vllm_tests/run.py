@@ -1,16 +1,22 @@
 """vLLM's own tests, three ways: vLLM's queue, kvqueue's compiled twin, its pure twin.
 
-vLLM is the release vllm_tests/vllm.env pins.
+``--line 0.31`` (or ``0.31.0``) picks the vLLM line, one of ``kvqueue._vllm_lines.LINES``;
+the default is the venv's own (the release vllm.env pins). Another line runs over the same
+venv with its Python laid over the venv's vLLM (lines.py).
 
 Run with the python of vllm_tests/venv.sh (``make vllm-tests``). vLLM's test files come from
-its sdist (sdist.py), model ids resolve to configuration files only (hub.py), and pytest runs
-once per queue with our plugin (kvqueue_plugin.py). Tests listed in vllm_tests/excluded.txt
-(each with its reason) are left out. The run fails when the three sets of passing tests
-differ, when a test not listed there fails with vLLM's own queue (the list is stale), or when
-no test built a block pool.
+that release's sdist (sdist.py), model ids resolve to configuration files only (hub.py), and
+pytest runs once per queue with our plugin (kvqueue_plugin.py). Tests that
+vllm_tests/excluded.txt lists for the line (each with its reason) are left out. The run fails
+when the three sets of passing tests differ, when a test not listed there fails with vLLM's
+own queue (the list is stale), when a listed path is not in the release, or when no test
+built a block pool.
 
-``--quick`` runs the three suites every CI run takes; the default runs every suite that
-builds a BlockPool or a Scheduler on the CPU.
+``--suites``: ``full`` (the venv's line's default) runs every suite that builds a BlockPool or
+a Scheduler on the CPU (those the release has), ``core`` (an older line's default)
+tests/v1/core, ``quick`` (``--quick``) three files of it. Then kvqueue's own tests run on the
+line's vLLM (``--no-kvqueue-tests``: not), and the run's counts go to its ``summary.json``,
+which ``--table`` prints for every line.
 """
 
 from __future__ import annotations
@@ -22,12 +28,17 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
 
 import hub
+import lines
 import sdist
 
-VLLM_VERSION = sdist.VLLM_VERSION
+from kvqueue._vllm_lines import LINES, Line, parse
+
 HERE = Path(__file__).resolve().parent
 QUICK = (
     "tests/v1/core/test_prefix_caching.py",
@@ -46,34 +57,69 @@ FULL = (
     "tests/v1/engine/test_kv_cache_group_metadata.py",
     "tests/plugins_tests/test_scheduler_plugins.py",
 )
+# An older line's default: CI has not the time for each line's connector and offload suites
+# (--suites full runs them, with exclusions still to be written for those lines).
+CORE = ("tests/v1/core",)
+SUITES = {"quick": QUICK, "core": CORE, "full": FULL}
 TWINS = ("none", "cython", "python")
+# kvqueue's own tests that an older line runs (vllm_tests/ whole on the venv's line): the
+# double frees on its own BlockPool. The plugin's loading is the same code on every line (each
+# line's install check: tests/test_vllm_dropin.py), and a probe of it costs a vLLM import.
+LINE_TESTS = ("test_double_free.py",)
 
 
-def excluded(path: Path) -> list[str]:
-    """pytest arguments for excluded.txt: ``--deselect`` a node id, ``--ignore`` a path.
+def in_scope(scope: str, line: Line) -> bool:
+    """Whether an excluded.txt scope (``0.33``, ``0.23-0.26``, ``0.30-``) covers ``line``."""
+    first, dash, last = scope.partition("-")
+    low = parse(first + ".0")
+    high = parse(last + ".0") if last else low if not dash else line.minor
+    if low is None or high is None:
+        raise ValueError(f"not a scope of lines: {scope!r}")
+    return low <= line.minor <= high
 
-    Each line is ``ID_OR_PATH  # reason``; a line without a reason is refused (ValueError).
+
+def excluded(path: Path, line: Line) -> list[tuple[str, int]]:
+    """excluded.txt's targets for ``line``: a node id or a path, with its line number.
+
+    Each line is ``SCOPE  ID_OR_PATH  # reason``; a line without a reason or a scope is
+    refused (ValueError).
     """
-    args = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
+    targets = []
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not text.strip() or text.lstrip().startswith("#"):
             continue
-        target, _, reason = line.partition("#")
-        if not reason.strip():
-            raise ValueError(f"{path}:{number}: no reason given for {target.strip()}")
-        target = target.strip()
+        entry, _, reason = text.partition("#")
+        fields = entry.split()
+        if not reason.strip() or len(fields) != 2:
+            raise ValueError(f"{path}:{number}: not SCOPE TARGET # REASON: {text.strip()}")
+        if in_scope(fields[0], line):
+            targets.append((fields[1], number))
+    return targets
+
+
+def exclusion_args(targets: list[tuple[str, int]], root: Path) -> tuple[list[str], list[str]]:
+    """pytest's ``--deselect`` (a node id) and ``--ignore`` (a path) for ``targets``, and the
+    entries naming a file that the release does not have (stale)."""
+    args, stale = [], []
+    for target, number in targets:
+        if not (root / target.partition("::")[0]).exists():
+            stale.append(f"excluded.txt:{number}: {target} is not in this release")
         args += ["--deselect", target] if "::" in target else ["--ignore", target]
-    return args
+    return args, stale
 
 
-def run_pytest(twin: str, root: Path, suites: tuple[str, ...], extra: list[str], work: Path):
-    """One pytest run; its outcomes, {nodeid: {"outcome", "pools"}}. Raises on a crash."""
+def run_pytest(
+    twin: str, root: Path, suites: list[str], extra: list[str], work: Path, path: list[Path]
+) -> dict[str, Any]:
+    """One pytest run; its outcomes, {nodeid: {"outcome", "pools"}}. Raises on a crash.
+
+    ``path``: what goes on PYTHONPATH (the line's overlay, if any, then our plugin)."""
     report = work / f"report-{twin}.json"
     log = work / f"pytest-{twin}.log"
     report.unlink(missing_ok=True)
     env = dict(
         os.environ,
-        PYTHONPATH=str(HERE),
+        PYTHONPATH=os.pathsep.join(map(str, path)),
         HF_HOME=str(work / "hf-home"),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -88,58 +134,173 @@ def run_pytest(twin: str, root: Path, suites: tuple[str, ...], extra: list[str],
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as out:
         code = subprocess.run(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
-    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    output = log.read_text(encoding="utf-8", errors="replace").splitlines()
     # pytest's closing line; objects finalized at exit may print after it.
     closing = re.compile(r"\d+ (passed|failed).* in ")
-    last = next((line for line in reversed(lines) if closing.search(line)), "?")
+    last = next((text for text in reversed(output) if closing.search(text)), "?")
     print(f"[{twin}] {last} ({time.monotonic() - start:.0f} s; {log})", flush=True)
     if not report.is_file():
         raise RuntimeError(f"pytest exited {code.returncode} without a report; see {log}")
-    return json.loads(report.read_text(encoding="utf-8"))
+    results: dict[str, Any] = json.loads(report.read_text(encoding="utf-8"))
+    return results
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the three seed suites only")
-    parser.add_argument("--twins", default=",".join(TWINS), help="comma-separated subset")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
-    args = parser.parse_args()
-    twins = tuple(args.twins.split(","))
-    work = sdist.cache_dir() / f"vllm-{VLLM_VERSION}-runs"
-    work.mkdir(parents=True, exist_ok=True)
-    root = sdist.tests_root(VLLM_VERSION)
-    hub.write(work / "hf-home")
-    extra = excluded(HERE / "excluded.txt") + args.pytest_args
-    suites = QUICK if args.quick else FULL
-    results = {twin: run_pytest(twin, root, suites, extra, work) for twin in twins}
-
+def compare(results: dict[str, dict[str, Any]], release: str) -> tuple[list[str], dict[str, Any]]:
+    """What differs between the twins' runs (problems), and each twin's counts by outcome."""
     problems = []
+    twins = list(results)
     passed = {
         twin: {name for name, entry in r.items() if entry["outcome"] == "passed"}
         for twin, r in results.items()
     }
-    reference = twins[0]
+    counts: dict[str, Any] = {}
     for twin in twins:
-        counts = {}
+        tally: dict[str, int] = {}
         for entry in results[twin].values():
-            counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
+            tally[entry["outcome"]] = tally.get(entry["outcome"], 0) + 1
         pools = sum(1 for entry in results[twin].values() if entry["pools"])
-        summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-        print(f"vllm-tests {twin:>6}: {summary}; {pools} tests built a BlockPool")
+        counts[twin] = {**tally, "pools": pools}
+        summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(tally.items()))
+        print(f"vllm-tests {release} {twin:>6}: {summary}; {pools} tests built a BlockPool")
         if not pools:
             problems.append(f"{twin}: no test built a BlockPool")
-        for name in sorted(passed[reference] ^ passed[twin]):
-            where = reference if name in passed[reference] else twin
+        for name in sorted(passed[twins[0]] ^ passed[twin]):
+            where = twins[0] if name in passed[twins[0]] else twin
             problems.append(f"passes with {where} only: {name} ({results[twin].get(name)})")
-    if "none" in results:
-        for name, entry in sorted(results["none"].items()):
-            if entry["outcome"] in ("failed", "error"):
-                problems.append(f"fails with vLLM's own queue, not in excluded.txt: {name}")
+    for name, entry in sorted(results.get("none", {}).items()):
+        if entry["outcome"] in ("failed", "error"):
+            problems.append(f"fails with vLLM's own queue, not in excluded.txt: {name}")
+    return problems, counts
+
+
+def unmatched(
+    targets: list[tuple[str, int]], suites: list[str], results: dict[str, Any], release: str
+) -> list[str]:
+    """The node ids of excluded.txt that left out no test of the suites run (stale for the
+    line: its scope is too wide, or the test was renamed)."""
+    deselected = [name for name, entry in results.items() if entry["outcome"] == "deselected"]
+    stale = []
+    for target, number in targets:
+        path = target.partition("::")[0]
+        ran = any(path == suite or path.startswith(suite.rstrip("/") + "/") for suite in suites)
+        if "::" in target and ran and not any(name.startswith(target) for name in deselected):
+            stale.append(f"excluded.txt:{number}: {target} names no test of vLLM {release}")
+    return stale
+
+
+def kvqueue_tests(release: str, overlay: Path | None, work: Path) -> dict[str, Any]:
+    """kvqueue's own tests on the line's real vLLM: all of vllm_tests/ on the venv's line;
+    on an older line the double-free tests (the live engine is ``make demo``'s).
+    Their outcome, from pytest's JUnit XML."""
+    files = ["vllm_tests"] if overlay is None else [str(HERE / name) for name in LINE_TESTS]
+    xml = work / "vllm_tests.xml"
+    xml.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(overlay or ""), VLLM_TARGET_DEVICE="cpu")
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:asyncio",
+               "-rfEs", f"--junitxml={xml}", *files]  # fmt: skip
+    start = time.monotonic()
+    code = subprocess.run(command, cwd=HERE.parent, env=env).returncode
+    outcome = {"exit": code, "seconds": round(time.monotonic() - start)}
+    if xml.is_file():
+        suite = ElementTree.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        outcome |= {
+            key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")
+        }
+    print(f"vllm-tests {release}: kvqueue's tests: {outcome}")
+    return outcome
+
+
+def table() -> str:
+    """A Markdown table of the last run of each line (``summary.json`` in its runs folder)."""
+    rows = ["| line | release | suites | none | cython | python | same | vllm_tests/ | s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for each in LINES:
+        path = sdist.cache_dir() / f"vllm-{each.release}-runs" / "summary.json"
+        if not path.is_file():
+            rows.append(f"| {each.name} | {each.release} | not run | | | | | | |")
+            continue
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        ways = []
+        for twin in TWINS:
+            c = summary["counts"].get(twin)
+            ways.append(
+                f"{c.get('passed', 0)}/{c.get('failed', 0) + c.get('error', 0)}/"
+                f"{c.get('skipped', 0)}"
+                if c
+                else "not run"
+            )
+        k = summary.get("kvqueue_tests") or {}
+        mine = (
+            f"{k['tests'] - k['failures'] - k['errors'] - k['skipped']}/"
+            f"{k['failures'] + k['errors']}/{k['skipped']}"
+            if "tests" in k
+            else "not run"
+        )
+        same = "yes" if not summary["problems"] else f"no ({len(summary['problems'])})"
+        seconds = summary["seconds"] + k.get("seconds", 0)
+        rows.append(f"| {each.name} | {each.release} | {summary['suites']} | {' | '.join(ways)} "
+                    f"| {same} | {mine} | {seconds} |")  # fmt: skip
+    return "\n".join(rows) + "\n(passed/failed/skipped; vllm_tests/: kvqueue's own tests)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--line", help="the vLLM line: 0.31 or 0.31.0 (default: the venv's)")
+    parser.add_argument(
+        "--suites",
+        choices=SUITES,
+        help="quick: three files; core: tests/v1/core; full "
+        "(default for the venv's own line; older lines: core)",
+    )
+    parser.add_argument("--quick", action="store_true", help="the same as --suites quick")
+    parser.add_argument("--twins", default=",".join(TWINS), help="comma-separated subset")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest runs at once (default 1)")
+    parser.add_argument(
+        "--no-kvqueue-tests", action="store_true", help="vLLM's suites only, not vllm_tests/"
+    )
+    parser.add_argument("--table", action="store_true", help="print every line's last results")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
+    args = parser.parse_args()
+    if args.table:
+        print(table())
+        return 0
+    twins = tuple(args.twins.split(","))
+    line = lines.line(args.line or lines.venv_release())
+    overlay = lines.overlay(line)
+    release = line.release
+    print(f"vllm-tests: vLLM {release}" + (f" laid over the venv's ({overlay})" if overlay else ""))
+    work = sdist.cache_dir() / f"vllm-{release}-runs"
+    work.mkdir(parents=True, exist_ok=True)
+    root = sdist.tests_root(release)
+    hub.write(work / "hf-home")
+    targets = excluded(HERE / "excluded.txt", line)
+    exclusions, problems = exclusion_args(targets, root)
+    extra = exclusions + args.pytest_args
+    chosen = "quick" if args.quick else args.suites
+    chosen = chosen or ("core" if overlay else "full")
+    wanted = SUITES[chosen]
+    suites = [suite for suite in wanted if (root / suite).exists()]
+    if missing := sorted(set(wanted) - set(suites)):
+        print(f"vllm-tests: vLLM {release} has no {', '.join(missing)}")
+    path = [overlay, HERE] if overlay else [HERE]
+    start = time.monotonic()
+    # Each twin's pytest is its own process: --jobs 2 runs two at once (a 2-core CI machine).
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        runs = {t: pool.submit(run_pytest, t, root, suites, extra, work, path) for t in twins}
+        results = {twin: run.result() for twin, run in runs.items()}
+    seconds = round(time.monotonic() - start)
+    found, counts = compare(results, release)
+    problems += found + unmatched(targets, suites, results[twins[0]], release)
     for problem in problems:
         print("vllm-tests: " + problem)
     verdict = "identical" if not problems else "DIFFERENT (or stale excluded.txt)"
-    print(f"vllm-tests: pass sets across {', '.join(twins)}: {verdict}")
-    return 1 if problems else 0
+    print(f"vllm-tests {release}: pass sets across {', '.join(twins)}: {verdict} ({seconds} s)")
+    mine = None if args.no_kvqueue_tests else kvqueue_tests(release, overlay, work)
+    summary = {"release": release, "suites": chosen, "counts": counts, "problems": problems,
+               "seconds": seconds, "kvqueue_tests": mine}  # fmt: skip
+    (work / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    return 1 if problems or (mine and mine["exit"]) else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ The two forms: a block freed twice in one ``free_blocks()`` call (vLLM issue 425
 holder), and a free block freed again (after a reference taken without ``touch()``, or
 directly), which links it twice in vLLM's list. The vLLM paths that can reach each form:
 vllm_tests/DOUBLE_FREE.md.
+
+The pool is whichever vLLM line is importable (``make vllm-tests VLLM=0.31.0`` lays that line
+over the venv, vllm_tests/lines.py); what the line has is read from ``kvqueue._vllm_lines``:
+0.23 counts every occurrence first and queues at 0 (a duplicate held once is lost, one held
+twice is queued twice) and appends what it frees; later lines classify inside the loop and
+prepend an unhashed block; ``unpin_blocks`` and blocks naming their pool come with 0.30.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -37,6 +44,12 @@ with warnings.catch_warnings():
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.block_pool import BlockPool
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
+from kvqueue._vllm_lines import find  # noqa: E402
+
+LINE = find(version("vllm"))
+assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
+HAS_UNPIN = "unpin_blocks" in LINE.pool_methods
+needs_unpin = pytest.mark.skipif(not HAS_UNPIN, reason=f"vLLM {LINE.name} has no unpin_blocks")
 
 NUM_BLOCKS = 8  # the null block, and 7 a request can get
 KVQUEUE = ["cython", "python"]
@@ -108,6 +121,7 @@ def double_free(pool: Any) -> tuple[list[Any], Any]:
 # -- vLLM's own queue: silent corruption, a bare assertion later ---------------------------
 
 
+@pytest.mark.skipif(LINE.counts_first, reason="0.23 appends: the test after this one")
 def test_vllm_queue_double_free_corrupts_the_list_silently(monkeypatch):
     pool = new_pool("vllm", None, monkeypatch)
     blocks, second_free = double_free(pool)
@@ -126,6 +140,25 @@ def test_vllm_queue_double_free_corrupts_the_list_silently(monkeypatch):
     assert failure.traceback[-1].name == "get_new_blocks"
 
 
+@pytest.mark.skipif(not LINE.counts_first, reason="from 0.24 an unhashed block is prepended")
+def test_vllm_023_hands_out_the_queues_own_tail(monkeypatch):
+    """0.23 appends what it frees: the block is linked after itself at the tail, the list
+    reads it once, the count has one more, and the allocation past the list hands out the
+    queue's sentinel tail (``block_id`` -1) as a block, with no assertion on the way."""
+    pool = new_pool("vllm", None, monkeypatch)
+    blocks, second_free = double_free(pool)
+    second_free()
+    free = truly_free(pool)
+    assert blocks[0].prev_free_block is blocks[0]
+    assert sorted(linked_ids(pool)) == free
+    assert pool.get_num_free_blocks() == len(free) + 1
+    handed = [pool.get_new_blocks(1)[0] for _ in range(len(free) + 1)]
+    assert handed[-2] is blocks[0]
+    assert handed[-1] is pool.free_block_queue.fake_free_list_tail
+    assert handed[-1].block_id == -1
+
+
+@pytest.mark.skipif(LINE.counts_first, reason="0.23 asserts nothing on the way (test above)")
 def test_vllm_queue_without_asserts_hands_one_block_to_many_requests(tmp_path):
     """Under ``python -O`` the assertion is gone: the same block goes to every request."""
     script = tmp_path / "double_free.py"
@@ -191,9 +224,10 @@ def test_kvqueue_raise_is_the_default_and_explicit(kind, monkeypatch):
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 2
 
 
-# -- the other pool entry that links blocks: unpin_blocks (vLLM 0.33, HiSparse) ------------
+# -- the other pool entry that links blocks: unpin_blocks (vLLM 0.30+, HiSparse) ----------
 
 
+@needs_unpin
 @pytest.mark.parametrize("kind", ["vllm", *KVQUEUE])
 def test_unpin_after_free_links_the_block_twice(kind, monkeypatch):
     pool = new_pool(kind, None, monkeypatch)
@@ -244,6 +278,7 @@ def two_holders(pool: Any) -> tuple[Any, list[Any]]:
     return block, pool.get_new_blocks(pool.get_num_free_blocks())
 
 
+@pytest.mark.skipif(LINE.counts_first, reason="0.23 loses the block instead (tests below)")
 def test_vllm_alone_gives_one_block_two_holders(monkeypatch):
     """vLLM decrements per occurrence and links at 0 only: ``ref_cnt`` ends at -1 with every
     queue call valid, ``touch`` takes it to 0 without unlinking it, and the next
@@ -260,6 +295,36 @@ def test_vllm_alone_gives_one_block_two_holders(monkeypatch):
     handed = pool.get_new_blocks(pool.get_num_free_blocks())
     assert block in handed  # A holds it through touch, B through allocation: two holders
     assert block.ref_cnt == 1
+
+
+@pytest.mark.skipif(not LINE.counts_first, reason="from 0.24 the block is linked at 0")
+def test_vllm_023_loses_a_block_listed_twice(monkeypatch):
+    """0.23 decrements every occurrence before it queues those at 0: a block held once and
+    listed twice ends at -1 and is never queued; nobody holds it, and no free ever brings it
+    back (a holder's free takes it from 0 to -1 again)."""
+    pool = new_pool("vllm", None, monkeypatch)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block, block])
+    assert block.ref_cnt == -1
+    assert block.block_id not in linked_ids(pool)
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - 2  # one less than nobody holds
+    pool.touch([block])  # a prefix hit: A holds it at ref_cnt 0
+    assert block.ref_cnt == 0
+    pool.free_blocks([block])
+    assert block.ref_cnt == -1
+    assert block.block_id not in linked_ids(pool)
+    assert block not in pool.get_new_blocks(pool.get_num_free_blocks())
+
+
+@pytest.mark.skipif(not LINE.counts_first, reason="from 0.24 the block is queued once")
+def test_vllm_023_queues_a_block_held_twice_and_listed_twice_twice(monkeypatch):
+    pool = new_pool("vllm", None, monkeypatch)
+    (block,) = pool.get_new_blocks(1)
+    pool.touch([block])
+    pool.free_blocks([block, block])
+    assert block.ref_cnt == 0
+    assert block.prev_free_block is block  # appended after itself
+    assert pool.get_num_free_blocks() == len(truly_free(pool)) + 1
 
 
 @pytest.mark.parametrize("kind", KVQUEUE)
@@ -302,15 +367,18 @@ def test_negative_count_left_by_an_unguarded_free(kind, policy, monkeypatch):
     finally:
         kvqueue_vllm.install(kind)
     assert block.ref_cnt == -1
+    # 0.23 never queued it (lost); later lines queued it at the first 0, so it is at the head.
+    assert (block.block_id in linked_ids(pool)) is not LINE.counts_first
     if policy == "raise":
         with pytest.raises(
             ValueError, match=rf"touch\(\) was given block {block.block_id} whose ref_cnt is -1"
         ):
             pool.touch([block])
-        with pytest.raises(
-            ValueError, match=rf"get_new_blocks\(\) would hand out block {block.block_id}"
-        ):
-            pool.get_new_blocks(1)
+        if not LINE.counts_first:
+            with pytest.raises(
+                ValueError, match=rf"get_new_blocks\(\) would hand out block {block.block_id}"
+            ):
+                pool.get_new_blocks(1)
         assert block.ref_cnt == -1
     else:
         pool.touch([block])  # taken as 0: touch unlinks it, A holds it
@@ -340,6 +408,7 @@ def test_held_block_in_the_free_list_is_not_handed_out(kind, policy, monkeypatch
         assert head.block_id not in linked_ids(pool)
 
 
+@pytest.mark.skipif(not LINE.has_pool_field, reason=f"vLLM {LINE.name}'s blocks name no pool")
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_another_pools_block_is_routed_and_checked_there(kind, monkeypatch):
     mine = new_pool(kind, "raise", monkeypatch)
@@ -370,11 +439,29 @@ def test_repair_skips_the_second_free(kind, monkeypatch):
     assert_pool_whole(pool)
 
 
+def cache(pool: Any, block: Any, block_hash: Any) -> None:
+    """Cache a full block as vLLM's ``cache_full_blocks`` does: its hash (``set_block_hash``
+    from 0.24, which keeps the number of tokens hashed too; the ``block_hash`` setter in
+    0.23), and the pool's map from hashes to blocks, whence reuse evicts it (0.23 resets the
+    hash of a block only when it finds it there)."""
+    if "_block_hash_num_tokens" in LINE.block_fields:
+        block.set_block_hash(block_hash)
+    else:
+        block.block_hash = block_hash
+    pool.cached_block_hash_to_block.insert(block_hash, block)
+
+
+FORMS = (
+    "in-call duplicate",
+    "free of a free block",
+    "untouched reference",
+    *(("double unpin",) if HAS_UNPIN else ()),
+)
+
+
 def inject(rng: random.Random, pool: Any, held: dict[int, list[Any]]) -> str | None:
     """One double free of a random form, as a buggy caller makes it; its name, or None."""
-    form = rng.choice(
-        ["in-call duplicate", "free of a free block", "untouched reference", "double unpin"]
-    )
+    form = rng.choice(FORMS)
     free = [b for b in pool.blocks[1:] if b.ref_cnt == 0]
     # A duplicate of a block another request holds too would release that request's
     # reference: no count can tell whose it was. The duplicates are of blocks held once.
@@ -419,9 +506,7 @@ def test_repair_under_load_never_hands_a_block_to_two_holders(kind, seed, monkey
                 assert not any(block is b for bs in held.values() for b in bs), block.block_id
                 if rng.random() < 0.5:  # a full block, cached: freed to the queue's tail
                     block_hash = kv_cache_utils.BlockHash(rng.randbytes(8))
-                    block.set_block_hash(
-                        kv_cache_utils.make_block_hash_with_group_id(block_hash, 0)
-                    )
+                    cache(pool, block, kv_cache_utils.make_block_hash_with_group_id(block_hash, 0))
             held[step] = blocks
         elif action < 0.45:
             # A prefix hit: a block some request holds, or a free one (the middle of the queue).
@@ -446,12 +531,7 @@ def test_repair_under_load_never_hands_a_block_to_two_holders(kind, seed, monkey
         assert sorted(b.block_id for b in queue.get_all_free_blocks()) == free
     repairs = kvqueue_vllm.pool_repairs(pool)
     assert sum(repairs.values()) == sum(forms.values()) > 100, (repairs, forms)
-    assert set(forms) == {
-        "in-call duplicate",
-        "free of a free block",
-        "untouched reference",
-        "double unpin",
-    }
+    assert set(forms) == set(FORMS)
     assert queue.repairs == dict.fromkeys(queue.repairs, 0)  # the guard saw each one first
 
 
@@ -472,7 +552,7 @@ def test_uninstall_restores_every_method_exactly():
     before = dict(vars(BlockPool))
     kvqueue_vllm.install("cython")
     guarded = set(kvqueue_vllm.status()["guarded"])
-    assert guarded == {"free_blocks", "unpin_blocks", "touch", "get_new_blocks"}
+    assert guarded == set(LINE.pool_methods)
     assert {
         name for name, value in vars(BlockPool).items() if value is not before.get(name)
     } == guarded

@@ -2,7 +2,7 @@
 process, a stub model with a real KV cache on the CPU (vllm_tests/live/).
 
 Run with pytest in the vLLM venv (``make vllm-tests``); for an older line, with that line's
-Python code first on ``PYTHONPATH`` (``PYTHONPATH=$(python vllm_tests/live/lines.py 0.31.0)``):
+Python code first on ``PYTHONPATH`` (``PYTHONPATH=$(python vllm_tests/lines.py 0.31.0)``):
 the engine cores the tests start import the vLLM this process imports. Each run is a fresh
 driver process (``live.driver.run``) whose only kvqueue settings are ``KVQUEUE_VLLM`` and
 ``KVQUEUE_ON_MISUSE``, as a user's; what the engine core saw comes back in its journal

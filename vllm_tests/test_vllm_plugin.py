@@ -40,7 +40,7 @@ PROBE = textwrap.dedent(
     json.dump({
         "queue": type(queue).__module__,
         "on_misuse": getattr(queue, "on_misuse", None),
-        "installed": kvqueue.vllm.installed(),
+        "installed": kvqueue.vllm.status()["implementation"],
         "pool_guard": kvqueue.vllm.status()["pool_guard"],
         "rebound": len(set(bound)) != 1,
         "entry_point": point.value,

@@ -7,7 +7,14 @@
 # of torch (TORCH_VERSION in vllm.env) instead of the CUDA torch that vLLM pins, vLLM itself with
 # --no-deps, from its wheel downloaded once into <cache root>/wheels, then vLLM's other
 # requirements less the torch family and the CUDA-only packages (vllm_tests/requirements.py),
-# then pytest. kvqueue is reinstalled from this checkout only when its sources changed since
+# then pytest. Older vLLM lines run in this same venv (vllm_tests/lines.py).
+#
+# Where torch comes from: wherever this machine's pip configuration finds it (index-url,
+# extra-index-url, find-links, PIP_* variables), plus KVQUEUE_TORCH_INDEX when the user sets it
+# (an extra index for torch, one that serves torch==TORCH_VERSION+cpu). Before installing,
+# vllm_tests/torch_source.py names the wheel pip would take and its source; when that is
+# the CUDA build (PyPI's torch==TORCH_VERSION, with its NVIDIA packages), it says how much
+# that downloads and stops, unless KVQUEUE_TORCH_CUDA=1 takes it. kvqueue is reinstalled from this checkout only when its sources changed since
 # the last install (a hash kept in the venv). The cache root is .ci/common.sh's.
 # Progress goes to stderr; stdout is the path alone.
 set -euo pipefail
@@ -39,12 +46,14 @@ if [[ ! -f $venv/.ready ]]; then
     rm -rf "$venv"
     "$python" -m venv "$venv"
     "${pip[@]}" --upgrade pip
+    torch_index=(${KVQUEUE_TORCH_INDEX:+--extra-index-url "$KVQUEUE_TORCH_INDEX"})
+    "$venv/bin/python" "$here/torch_source.py" "$TORCH_VERSION" "${torch_index[@]}" >&2
     # vLLM's wheel (about 340 MB) is downloaded once into $cache/wheels and installed from there.
     if ! compgen -G "$cache/wheels/vllm-$VLLM_VERSION-*.whl" >/dev/null; then
         "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: \
             -d "$cache/wheels" "vllm==$VLLM_VERSION"
     fi
-    "${pip[@]}" --find-links "$cache/wheels" "torch==$TORCH_VERSION" packaging
+    "${pip[@]}" --find-links "$cache/wheels" "${torch_index[@]}" "torch==$TORCH_VERSION" packaging
     "${pip[@]}" --no-deps --no-index --find-links "$cache/wheels" "vllm==$VLLM_VERSION"
     built=1
 fi

@@ -24,12 +24,28 @@ static Py_ssize_t kvs_slot(PyTypeObject *tp, PyObject *name)
 
 /* A ref_cnt as the screens compare it: 1 and its value in *out (clamped to Py_ssize_t)
    for an int or an int subclass, read as int (no __index__ or other code of its own
-   runs); 0 for anything else, which the guard refuses. */
-static int kvs_count(PyObject *v, Py_ssize_t *out)
+   runs); 0 for anything else, which the guard refuses. Inline for a small exact int, the
+   count of every block of vLLM's: this runs once per block of every guarded call. */
+static inline int kvs_count(PyObject *v, Py_ssize_t *out)
 {
     int overflow;
     long long x;
-    if (!PyLong_Check(v)) return 0;
+    if (PyLong_CheckExact(v)) {
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+            *out = PyUnstable_Long_CompactValue((PyLongObject *)v);
+            return 1;
+        }
+#else
+        Py_ssize_t size = Py_SIZE(v);
+        if (size >= -1 && size <= 1) {
+            *out = size * (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
+            return 1;
+        }
+#endif
+    }
+    else if (!PyLong_Check(v))
+        return 0;
     x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (overflow > 0 || x > PY_SSIZE_T_MAX) x = PY_SSIZE_T_MAX;
     else if (overflow < 0 || x < PY_SSIZE_T_MIN) x = PY_SSIZE_T_MIN;

@@ -52,7 +52,9 @@ cdef struct _Layout:
     Py_ssize_t off[_FIELDS]
 
 
-cdef inline void _learn(_Layout *lay, object block):
+# Out of line: it runs once per class met in a call, and inlined into _field it would keep
+# _field itself, which runs at every read, from being inlined.
+cdef void _learn(_Layout *lay, object block):
     cdef PyTypeObject *tp = Py_TYPE(block)
     lay.type = tp
     lay.off[_POOL] = kvs_slot(tp, "pool")

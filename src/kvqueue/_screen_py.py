@@ -15,7 +15,6 @@ by its int value) is a misuse at that block: the guard says what it is.
 
 from __future__ import annotations
 
-from itertools import islice
 from typing import Any
 
 from ._block import is_subtype
@@ -26,6 +25,8 @@ __all__ = ("OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_n
 #: pools, and blocks given more than once (within the references they hold).
 OTHER_POOLS = 1
 REPEATS = 2
+
+_ZERO = 0
 
 
 def first_excess(blocks: list[Any], pool: object) -> int:
@@ -44,7 +45,9 @@ def first_excess(blocks: list[Any], pool: object) -> int:
     # hashable: a block's remaining references are keyed by identity.
     left: dict[int, int] = {}
     flags = 0
-    for i, block in enumerate(islice(blocks, len(blocks))):
+    # Up to the length at the start (zip stops at the shorter): what code a block runs
+    # appends is not screened, as the compiled twin does not.
+    for i, block in zip(range(len(blocks)), blocks, strict=False):
         if pool is not None:
             owner = block.pool
             if owner is not pool:
@@ -75,18 +78,15 @@ def first_excess(blocks: list[Any], pool: object) -> int:
 def first_negative(blocks: list[Any], pool: object) -> int:
     """The index of the first block of ``pool`` (null aside; ``pool`` None: any block)
     whose ``ref_cnt`` is negative or no int, or -1."""
-    for i, block in enumerate(islice(blocks, len(blocks))):
-        if pool is not None and block.pool is not pool:
-            continue
-        if block.is_null:
-            continue
-        refs = block.ref_cnt
-        if type(refs) is not int:
-            refs = _count(refs)
-            if refs is None:
+    for i, block in zip(range(len(blocks)), blocks, strict=False):
+        if (pool is None or block.pool is pool) and not block.is_null:
+            refs = block.ref_cnt
+            if type(refs) is not int:
+                refs = _count(refs)
+                if refs is None:
+                    return i
+            if refs < 0:
                 return i
-        if refs < 0:
-            return i
     return -1
 
 
@@ -102,7 +102,9 @@ def first_held_free(head: Any, n: int) -> Any:
         if block is None:
             return None
         refs = block.ref_cnt
-        if (refs if type(refs) is int else _count(refs)) != 0:
+        # A free block's count is the interpreter's one 0 object, the identity test the
+        # quick way past it; any other value (an int, a 0 of a subclass or no int) is read.
+        if refs is not _ZERO and _count(refs) != 0:
             return block
     return None
 

@@ -4,7 +4,7 @@ side by side with vLLM alone, kvqueue under ``raise``, kvqueue under ``repair``.
 ``python vllm_tests/live/demo.py [--form A|B|C] [--vllm 0.31.0]``, from any Python 3: it builds
 or reuses the CPU vLLM venv (``vllm_tests/venv.sh``: once, several minutes; this checkout's
 kvqueue is installed there), runs itself again with that venv's python (``--vllm``: with that
-release's Python code first on ``PYTHONPATH``, ``live.lines``), then starts ``vllm.LLM`` three
+release's Python code first on ``PYTHONPATH``, ``vllm_tests/lines.py``), then starts ``vllm.LLM`` three
 times with the stub model (``vllm_tests/live/``: engine core in its own process, a KV cache on
 the CPU), each serving three rounds of 20 requests while one double free is injected inside
 the engine core:
@@ -71,9 +71,9 @@ def enter_venv(release: str | None) -> None:
     if release is not None:
         # The venv's python decides which of the line's requirements it lacks.
         line = with_progress(
-            f"vLLM {release}'s Python code (vllm_tests/live/lines.py)",
+            f"vLLM {release}'s Python code (vllm_tests/lines.py)",
             lambda: subprocess.run(
-                [python, str(HERE / "lines.py"), release],
+                [python, str(HERE.parent / "lines.py"), release],
                 stdout=subprocess.PIPE,
                 text=True,
                 check=True,
