@@ -4,10 +4,10 @@ side by side with vLLM alone, kvqueue under ``raise``, kvqueue under ``repair``.
 ``python vllm_tests/live/demo.py [--form A|B|C] [--vllm 0.31.0]``, from any Python 3: it builds
 or reuses the CPU vLLM venv (``vllm_tests/venv.sh``: once, several minutes; this checkout's
 kvqueue is installed there), runs itself again with that venv's python (``--vllm``: with that
-release's Python code first on ``PYTHONPATH``, ``vllm_tests/lines.py``), then starts ``vllm.LLM`` three
-times with the stub model (``vllm_tests/live/``: engine core in its own process, a KV cache on
-the CPU), each serving three rounds of 20 requests while one double free is injected inside
-the engine core:
+release's Python code first on ``PYTHONPATH``, ``vllm_tests/lines.py``), then starts
+``vllm.LLM`` three times with the stub model (``vllm_tests/live/``: engine core in its own
+process, a KV cache on the CPU), each serving three rounds of 20 requests while one double
+free is injected inside the engine core:
 
 * ``A`` (default, vLLM issue 42571): a request's block given twice in one
   ``BlockPool.free_blocks()`` call as the request finishes;
