@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from twins import TWINS, twin
 
-from kvqueue import _policy
+from kvqueue import _log
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +49,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def repair_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The test's records, with the per-process rate limit's window just
     reopened: earlier tests of the process may have spent its budget."""
-    monkeypatch.setattr(_policy, "_window_start", float("-inf"))
+    monkeypatch.setattr(_log, "_window_start", float("-inf"))
     caplog.set_level(logging.WARNING, logger="kvqueue")
     return caplog

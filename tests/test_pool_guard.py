@@ -117,6 +117,24 @@ def test_blocks_without_a_pool_field_are_the_pools_own(queue_mod: ModuleType) ->
             consistent(pool)
 
 
+def test_blocks_made_outside_the_pool_keep_vllms_handling_before_0_30(
+    queue_mod: ModuleType,
+) -> None:
+    """vLLM 0.23-0.29's own tests free blocks they built themselves (``KVCacheBlock(1000)``):
+    with no ``pool`` field, a block is the pool's own only if the pool's list holds it."""
+    for of in LINES:
+        if of.has_pool_field:
+            continue
+        for pool in _pool(queue_mod, of, "raise"):
+            stray = block_class(of)(1000)
+            twin = block_class(of)(1)  # the id of a block of the pool, but not that block
+            pool.free_blocks([stray, twin])
+            assert (stray.ref_cnt, twin.ref_cnt) == (-1, -1)
+            pool.touch([stray])
+            assert stray.ref_cnt == 0
+            consistent(pool)
+
+
 def test_only_the_methods_a_line_has_are_guarded(each_line: Line) -> None:
     cls = pool_class(each_line)
     import kvqueue._screen_py as screen

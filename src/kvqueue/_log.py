@@ -1,12 +1,66 @@
-"""kvqueue's log: the ``kvqueue`` logger, and its records handed to vLLM's log while installed."""
+"""kvqueue's log: the ``kvqueue`` logger, its rate limit, the one function that logs a repair
+(for the queues and the pool guard alike), and the forwarding to vLLM's log while installed."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
-__all__ = ("forward_to_vllm", "logger")
+from . import _core, _policy
+
+__all__ = ("forward_to_vllm", "logger", "queue_repaired", "repaired")
 
 logger = logging.getLogger("kvqueue")
+
+# At most _BURST log records per _WINDOW seconds, per process: a double-free
+# bug in an engine's hot loop repairs thousands of times a second, and each
+# repair is counted on its queue or pool whether or not it is logged.
+_WINDOW = 60.0
+_BURST = 10
+_window_start = float("-inf")
+_logged = 0
+_unlogged = 0
+
+
+def _admit() -> int | None:
+    """Whether a repair may be logged now: None if not, else how many repairs went
+    unlogged since the last line that was."""
+    global _window_start, _logged, _unlogged
+    now = time.monotonic()
+    if now - _window_start >= _WINDOW:
+        _window_start = now
+        _logged = 0
+    if _logged >= _BURST:
+        _unlogged += 1
+        return None
+    _logged += 1
+    unlogged, _unlogged = _unlogged, 0
+    return unlogged
+
+
+def repaired(message: str, *args: object) -> None:
+    """Log one repair at WARNING under the rate limit, never raising: a repair is logged
+    after it is made, and a handler or filter that raises must not make the repaired call
+    look failed (its caller would retry or give up a call that succeeded)."""
+    unlogged = _admit()
+    if unlogged is None:
+        return
+    note = f" ({unlogged} earlier repairs were not logged)" if unlogged else ""
+    with contextlib.suppress(Exception):
+        logger.warning(message + "%s", *args, note)
+
+
+def queue_repaired(method: str, block: object, kind: str, count: int) -> None:
+    """A queue's repair of ``kind`` (``count``: the queue's total of it) on ``block``."""
+    repaired(
+        "%s() repaired a misuse (%s #%d on this queue): skipped %s: %s",
+        method,
+        kind,
+        count,
+        _core.describe(block),
+        _policy.KINDS[kind],
+    )
 
 
 class _ToVLLMLog(logging.Handler):
@@ -19,7 +73,11 @@ class _ToVLLMLog(logging.Handler):
             # kvqueue's (`[kvqueue/vllm.py:42]`) does not read as one of vLLM's own files.
             record = logging.makeLogRecord(record.__dict__)
             record.filename = f"kvqueue/{record.filename}"
-            target.handle(record)
+            # vLLM's handlers only: older lines let the "vllm" logger propagate to the root,
+            # where the record has been already, through the "kvqueue" logger.
+            for handler in target.handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
         else:
             # Before vLLM configures its logging (or with VLLM_CONFIGURE_LOGGING=0):
             # what Python does for a logger without handlers.

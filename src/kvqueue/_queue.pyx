@@ -81,7 +81,7 @@ from cpython.type cimport PyType_Check
 
 from types import GenericAlias
 
-from kvqueue import _core, _errors, _policy
+from kvqueue import _core, _errors, _log, _policy
 from kvqueue._block import KVCacheBlock, check_block_type, lookup
 
 cdef extern from "_slots.h":
@@ -354,7 +354,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             raise _core.misuse(method, kind, block)
         count = self._repairs[kind] + 1
         self._repairs[kind] = count
-        _policy.report(method, block, kind, count)
+        _log.queue_repaired(method, block, kind, count)
         return 0
 
     cdef inline bint _in_pool(self, PyObject *b) noexcept:

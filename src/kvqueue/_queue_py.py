@@ -40,7 +40,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from operator import index
 from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast, final
 
-from . import _core, _errors, _policy
+from . import _core, _errors, _log, _policy
 from ._block import KVCacheBlock, check_block_type, is_block
 
 __all__ = ("FreeKVCacheBlockQueue",)
@@ -592,7 +592,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             raise _core.misuse(method, kind, block)
         count = self._repairs[kind] + 1
         self._repairs[kind] = count
-        _policy.report(method, block, kind, count)
+        _log.queue_repaired(method, block, kind, count)
 
     def _undo(self, left: Any, run: Sequence[Any], right: Any, partial: Sequence[Any] = ()) -> int:
         """Put the list between ``left`` and ``right`` back as it was: ``run`` linked

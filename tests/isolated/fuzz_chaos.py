@@ -44,7 +44,7 @@ from blocks import VllmStyleBlock
 from fuzz_common import Stats, main, well_formed
 from twins import twin
 
-from kvqueue import KVCacheBlock, _policy
+from kvqueue import KVCacheBlock, _log
 
 LINKS = ("prev_free_block", "next_free_block")
 MISSING = object()
@@ -456,7 +456,7 @@ def _walk(queue: Any) -> list[Any]:
 
 def program(twin_name: str, seed: int, ops: int) -> Stats:
     # Every repair logged (not only the first of each minute) and formatted.
-    _policy._BURST = ops * 1000
+    _log._BURST = ops * 1000
     logger = logging.getLogger("kvqueue")
     handler = Formatting()
     logger.addHandler(handler)
