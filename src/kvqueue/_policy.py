@@ -32,6 +32,7 @@ KINDS: dict[str, str] = {
     "other_pool": "it belongs to another pool's queue; left where it is",
 }
 
+
 def resolve(on_misuse: object) -> MisusePolicy:
     """The policy that ``on_misuse`` names; ``None`` reads :data:`ENV` now.
 
