@@ -73,10 +73,11 @@ class _ToVLLMLog(logging.Handler):
             # kvqueue's (`[kvqueue/vllm.py:42]`) does not read as one of vLLM's own files.
             record = logging.makeLogRecord(record.__dict__)
             record.filename = f"kvqueue/{record.filename}"
-            # vLLM's handlers only: older lines let the "vllm" logger propagate to the root,
-            # where the record has been already, through the "kvqueue" logger.
+            # vLLM's handlers only, less any the record reached already through the
+            # "kvqueue" logger's own propagation (a handler on the root, as pytest's).
+            seen = logging.getLogger().handlers if logger.propagate else []
             for handler in target.handlers:
-                if record.levelno >= handler.level:
+                if handler not in seen and record.levelno >= handler.level:
                     handler.handle(record)
         else:
             # Before vLLM configures its logging (or with VLLM_CONFIGURE_LOGGING=0):
