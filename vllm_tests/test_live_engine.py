@@ -298,6 +298,12 @@ def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> Non
     assert wrong(run) == 0
 
 
+# Issue 24 item 3, open: the guard finds the held block only inside get_new_blocks, after the
+# scheduler has counted it free; strict, so that the fix is noticed when it lands.
+@pytest.mark.xfail(
+    strict=True,
+    reason="a held block in a full pool's free list: the repair leaves get_new_blocks short",
+)
 @pytest.mark.parametrize("twin", TWINS)
 def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
     """Issue 24 item 3: a held block in the free list of a full pool, which counts it free.
