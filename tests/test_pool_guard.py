@@ -7,11 +7,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import subprocess
 import sys
 from collections.abc import Iterator
 from fractions import Fraction
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -29,11 +27,11 @@ from fake_pool import (
     state,
 )
 from guard_cases import CASES as ISOLATED_CASES
+from helpers import run_isolated
 
 from kvqueue import KVCacheBlock, _pool_guard
 from kvqueue._vllm_lines import LINES, Line
 
-ISOLATED = Path(__file__).parent / "isolated"
 LINE_IDS = [each.name for each in LINES]
 NEWEST = LINES[-1]
 
@@ -644,14 +642,6 @@ def test_other_classes_keep_the_bounded_name(queue_mod: ModuleType) -> None:
 
 @pytest.mark.parametrize("case", ISOLATED_CASES)
 def test_isolated_guard_case(case: str, queue_mod: ModuleType) -> None:
-    code = f"import guard_cases; guard_cases.{case}({queue_mod.__name__!r})"
-    done = subprocess.run(
-        [sys.executable, "-X", "dev", "-W", "error", "-c", code],
-        cwd=ISOLATED,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_isolated("guard_cases", case, queue_mod.__name__)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stderr == "", done.stderr[-4000:]

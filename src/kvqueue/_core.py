@@ -20,6 +20,7 @@ from ._block import KVCacheBlock, check_block_type, is_block, is_subtype, layout
 
 __all__ = (
     "as_sequence",
+    "block_id",
     "common_pool",
     "constructor_arguments",
     "count",
@@ -126,15 +127,18 @@ def describe(obj: object) -> str:
         return f"{name} {_errors.number(obj)}"  # type: ignore[arg-type]
     if cls is str:
         return f"{name} {str.__repr__(str.__getitem__(obj, _BOUND))}"  # type: ignore[index]
-    slot = lookup(cls, "block_id")
-    if type(slot) is MemberDescriptorType:
-        try:
-            block_id = slot.__get__(obj, cls)
-        except (AttributeError, TypeError):
-            block_id = None
-        if type(block_id) is int:
-            return f"{name}(block_id={_errors.number(block_id)})"
+    found = block_id(obj)
+    if found is not None:
+        return f"{name}(block_id={_errors.number(found)})"
     return f"{name} object at {id(obj):#x}"
+
+
+def block_id(obj: object) -> int | None:
+    """``obj``'s ``block_id`` read from its class's slot, if that is an int; no code of
+    the object's or its class's runs."""
+    cls = type(obj)
+    value = _slot_value(obj, cls, lookup(cls, "block_id"))
+    return value if type(value) is int else None
 
 
 def vllm_repr(obj: object) -> str | None:

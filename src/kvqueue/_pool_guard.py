@@ -41,7 +41,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from operator import index
-from types import FunctionType, MemberDescriptorType, ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 from . import _block, _core, _errors, _log, _policy
@@ -221,7 +221,7 @@ def _retire(pool_class: type, name: str, keep: object = None) -> None:
             made.retired = True
 
 
-def _wrapped(made: _Guard, line: Any, guarded: Callable[..., Any]) -> Callable[..., Any]:
+def _wrapped(made: _Guard, guarded: Callable[..., Any]) -> Callable[..., Any]:
     functools.update_wrapper(guarded, made.original)
     _register(guarded, made)
     return guarded
@@ -265,7 +265,7 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             return original(self, blocks, *args, **kwargs)
         return _free(made, line, self, blocks, args, kwargs)
 
-    return _wrapped(made, line, guarded)
+    return _wrapped(made, guarded)
 
 
 def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
@@ -287,7 +287,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             return original(self, blocks, *args, **kwargs)
         return _touch(made, line, self, blocks, i, args, kwargs)
 
-    return _wrapped(made, line, touch)
+    return _wrapped(made, touch)
 
 
 def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
@@ -317,7 +317,7 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
                 return _alloc(made, self, num_blocks, args, kwargs)
         return original(self, num_blocks, *args, **kwargs)
 
-    return _wrapped(made, line, get_new_blocks)
+    return _wrapped(made, get_new_blocks)
 
 
 _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
@@ -611,16 +611,8 @@ def _log_notes(notes: list[_Note]) -> None:
 def _named(block: Any) -> str:
     """A block for a message: its ``block_id`` from its slot, else as ``describe`` has it;
     no code of the block's runs."""
-    cls = type(block)
-    slot = _block.lookup(cls, "block_id")
-    if type(slot) is MemberDescriptorType:
-        try:
-            block_id = slot.__get__(block, cls)
-        except (AttributeError, TypeError):
-            block_id = None
-        if type(block_id) is int:
-            return _errors.number(block_id)
-    return _core.describe(block)
+    found = _core.block_id(block)
+    return _core.describe(block) if found is None else _errors.number(found)
 
 
 def _call(method: str) -> str:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 Snapshot = tuple[int, tuple[tuple[int, int, int], ...]]
@@ -44,3 +47,20 @@ def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) 
         if id(block) not in members:
             assert block.prev_free_block is None, block
             assert block.next_free_block is None, block
+
+
+ISOLATED = Path(__file__).resolve().parent.parent / "isolated"
+
+
+def run_isolated(module: str, case: str, twin: str) -> subprocess.CompletedProcess[str]:
+    """``module.case(twin)`` of tests/isolated/ in a fresh interpreter (dev mode, warnings
+    as errors): what may crash or hang is run where it cannot take the suite with it."""
+    code = f"import {module}; {module}.{case}({twin!r})"
+    return subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error", "-c", code],
+        cwd=ISOLATED,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
