@@ -785,3 +785,25 @@ def _vllm_lines_find(version: str) -> Line:
     line = find(version)
     assert line is not None
     return line
+
+
+@pytest.mark.parametrize("wrap_foreign", [False, True])
+def test_another_projects_pool_method_is_named_not_taken_for_a_layout(
+    fake: FakeVllm, wrap_foreign: bool
+) -> None:
+    """A patch with parameters of its own (``free_blocks(self, blocks)``) is another
+    project's, which only wrap_foreign accepts: not a vLLM of an unknown layout."""
+    theirs = _module("their_project.patches")
+    exec("def free_blocks(self, blocks):\n    return MINE(self, blocks)", theirs.__dict__)
+    theirs.MINE = fake.pool.BlockPool.free_blocks
+    fake.pool.BlockPool.free_blocks = theirs.free_blocks
+    if not wrap_foreign:
+        _assert_refused(fake, r"BlockPool\.free_blocks is not vLLM's own: their_project")
+        return
+    kv_vllm.install("python", wrap_foreign=True)
+    pool = fake.pool.BlockPool(4)
+    (block,) = pool.get_new_blocks(1)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks([block, block])
+    pool.free_blocks([block])
+    assert pool.get_num_free_blocks() == 3

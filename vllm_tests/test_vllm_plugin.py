@@ -230,12 +230,13 @@ def test_kvqueue_lines_in_vllms_own_log() -> None:
     ]
     vllm_format = r"\(MainProcess pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
     assert re.fullmatch(
-        vllm_format.format("INFO", r"vllm\.py") + r"kvqueue \S+ active: vLLM's free block queue "
+        vllm_format.format("INFO", r"kvqueue/_vllm_plugin\.py")
+        + r"kvqueue \S+ active on vLLM \d+\.\d+: vLLM's free block queue "
         r"is kvqueue's cython twin, pool guard on \(.*free_blocks.*\), on_misuse=repair",
         lines[0],
     ), lines
     assert re.fullmatch(
-        vllm_format.format("WARNING", r"_pool_guard\.py")
+        vllm_format.format("WARNING", r"kvqueue/_log\.py")
         + r"BlockPool\.free_blocks\(\) repaired a double free \(double_free #1 on this pool\): "
         r"block 1: .* called from <string>:10 in <module>",
         lines[1],
@@ -253,10 +254,10 @@ def diagnose(**env: str) -> subprocess.CompletedProcess[str]:
 def test_python_m_kvqueue_with_the_plugin_on() -> None:
     done = diagnose(KVQUEUE_VLLM="python", KVQUEUE_ON_MISUSE="repair")
     assert done.returncode == 0, done.stdout + done.stderr
-    vllm = json.loads(done.stdout)["vllm"]
-    assert vllm["accepted"] is True
-    assert vllm["plugin_loaded_by_vllm"] is True
-    assert vllm["plugin"] == {
+    report = json.loads(done.stdout)
+    assert report["vllm"]["plugin_loaded_by_vllm"] is True
+    assert report["plugin"]["action"] == "install"
+    assert report["plugin"]["settings"] == {
         "implementation": "python",
         "on_misuse": "repair",
         "pool_guard": True,

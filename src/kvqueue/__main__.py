@@ -51,7 +51,7 @@ def report() -> tuple[dict[str, Any], list[str]]:
         problems.append(decided.reason)
     elif decided.action != "off" and vllm.get("installed") and not vllm["plugin_loaded_by_vllm"]:
         problems.append(
-            f"{_env.VLLM} is set but vLLM will not call kvqueue's plugin "
+            f"{_env.VLLM}={os.environ.get(_env.VLLM)} but vLLM will not call kvqueue's plugin "
             + (
                 "(VLLM_PLUGINS does not name kvqueue)"
                 if vllm["plugin_registered"]

@@ -134,8 +134,8 @@ def mismatch(line: Line, block_class: type, queue_class: type, pool_class: type)
     """How vLLM's own classes differ from ``line``'s row, or None when they match.
 
     Reads the classes' definitions only: dataclass fields, the queue's public methods and
-    the guarded pool methods' parameter names (``inspect.signature``, which follows a
-    ``__wrapped__`` left by kvqueue's own guard or another project's patch).
+    the guarded pool methods' parameter names, where the method is vLLM's own
+    (``inspect.signature``, which follows the ``__wrapped__`` of kvqueue's own guard).
     """
     if not dataclasses.is_dataclass(block_class):
         return f"KVCacheBlock is not a dataclass: {block_class!r}"
@@ -155,7 +155,9 @@ def mismatch(line: Line, block_class: type, queue_class: type, pool_class: type)
         if (found is None) != (expected is None):
             has = "has" if found is not None else "lacks"
             return f"BlockPool {has} {name}(), unlike vLLM {line.name}"
-        if found is None:
+        # Another project's patch has its own parameters: whether kvqueue may wrap it is
+        # the foreign-patch check's to say (kvqueue.vllm), not the line's.
+        if found is None or getattr(found, "__module__", None) != pool_class.__module__:
             continue
         try:
             params = tuple(inspect.signature(found).parameters)[1:]
