@@ -27,6 +27,7 @@ import sched_engine
 from launch import bootstrap_median, interval
 from sched_engine import WORKLOADS
 
+from kvqueue import _pool_guard
 from kvqueue._pool_guard import GUARDED
 
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
@@ -198,7 +199,7 @@ def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe
         kvqueue.vllm.install(twin, pool_guard=guard, wrap_foreign=True)  # type: ignore[arg-type]
         for m in own:
             installed = BlockPool.__dict__[m]
-            assert bool(getattr(installed, "__kvqueue_guard__", False)) is guard, m
+            assert (_pool_guard._ours(installed) is not None) is guard, m
             undo.enter_context(patch.object(BlockPool, m, probe.outer(installed, GUARDED.index(m))))
         driver = sched_engine.Driver(setup)
         driver.run(probe.clear)
