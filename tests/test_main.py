@@ -40,6 +40,8 @@ def test_help() -> None:
     done = run("--help")
     assert done.returncode == 0
     assert "--json" in done.stdout
+    assert "python -m kvqueue: what kvqueue does in this environment" in done.stdout
+    assert "``" not in done.stdout  # the docstring's reST markup
 
 
 @pytest.mark.c_extension

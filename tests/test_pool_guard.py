@@ -30,7 +30,7 @@ from guard_cases import CASES as ISOLATED_CASES
 from helpers import run_isolated
 
 from kvqueue import KVCacheBlock, _pool_guard
-from kvqueue._vllm_lines import LINES, Line
+from kvqueue._vllm_lines import LINES, Line, VLLMLayoutError
 
 LINE_IDS = [each.name for each in LINES]
 NEWEST = LINES[-1]
@@ -350,7 +350,7 @@ def test_a_copied_guard_marker_is_not_kvqueues_guard(queue_mod: ModuleType, quie
             return ours(*args, **kwargs)
 
         cls.free_blocks = theirs  # type: ignore[attr-defined]
-        with pytest.raises(_pool_guard.ForeignPatch):
+        with pytest.raises(VLLMLayoutError, match="free_blocks is not vLLM's own"):
             _pool_guard.guard(cls, pure, policy_of, wrap_foreign=False, line=NEWEST)
         assert cls.__dict__["free_blocks"] is theirs
         found = _pool_guard.guard(cls, pure, policy_of, wrap_foreign=True, line=NEWEST)

@@ -135,7 +135,9 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvqueue", description=__doc__.split("\n")[0])
+    # The first line, without its reST markup: argparse prints it as it is.
+    summary = __doc__.split("\n")[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="python -m kvqueue", description=summary)
     parser.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     args = parser.parse_args(argv)
     facts, problems = report()

@@ -5,15 +5,24 @@ from __future__ import annotations
 from types import MemberDescriptorType
 from typing import Any
 
-__all__ = ("KVCacheBlock", "check_block_type", "is_block", "is_subtype", "layout_change", "lookup")
+__all__ = (
+    "LAYOUT",
+    "KVCacheBlock",
+    "check_block_type",
+    "is_block",
+    "is_subtype",
+    "layout_change",
+    "lookup",
+)
 
 _LINKS = ("prev_free_block", "next_free_block")
 # How the interpreter reads and writes an instance's attributes: the compiled twin
 # bypasses these (it uses the slots' offsets), so a class may not change them.
 _ACCESS = ("__getattribute__", "__setattr__", "__delattr__", "__getattr__")
 # What a block's subclass must inherit untouched: the slots the compiled twin
-# reads by offset, and the attribute access the pure twin goes through.
-_LAYOUT = (*_LINKS, "pool", *_ACCESS)
+# reads by offset, and the attribute access the pure twin goes through. Written
+# only here: the compiled twin's C is handed this tuple (_slots.h).
+LAYOUT = (*_LINKS, "pool", *_ACCESS)
 MISSING: Any = object()
 # type's own descriptors, not attribute access on the class: a metaclass cannot
 # substitute a property for them, so these run no Python code.
@@ -193,7 +202,7 @@ def lookup(cls: type, name: str) -> Any:
 def layout_change(obj_type: type, block_type: type) -> str | None:
     """The first of the links, ``pool`` and the attribute-access hooks that subclass
     ``obj_type`` redefines (a slot of its own, a property, ...), or None."""
-    for name in _LAYOUT:
+    for name in LAYOUT:
         if lookup(obj_type, name) is not lookup(block_type, name):
             return name
     return None

@@ -1,11 +1,50 @@
-"""The exceptions both twins raise, so that their types and messages match.
+"""How kvqueue names what went wrong: the exceptions both twins and the pool guard
+raise, the misuses they repair, and how a block or argument appears in a message.
 
 The messages of the errors vLLM raises are vLLM's, word for word: engines and
-their tests match on them. A block or other argument appears in a message only
-as ``_core.describe`` gives it, never through its own ``repr``.
+their tests match on them. An object appears in a message only as :func:`describe`
+gives it, never through its own ``repr``; nothing here runs Python code of a block
+or its class (no ``__repr__``, property, ``__index__`` or metaclass hook), so a
+twin may build a message between reading its state and writing it.
 """
 
 from __future__ import annotations
+
+from types import MemberDescriptorType, NoneType
+from typing import Any, Literal, get_args
+
+from . import _block
+from ._block import KVCacheBlock, is_subtype, layout_change, lookup
+
+#: The misuses a queue repairs under ``"repair"`` (and refuses under ``"raise"``).
+QueueMisuse = Literal["duplicate", "linked", "sentinel", "not_linked", "other_pool"]
+#: The misuses the pool guard repairs.
+PoolMisuse = Literal["double_free", "negative_ref", "held_free"]
+QUEUE_MISUSES: tuple[QueueMisuse, ...] = get_args(QueueMisuse)
+POOL_MISUSES: tuple[PoolMisuse, ...] = get_args(PoolMisuse)
+
+#: What the repair of each misuse did (its log line says it).
+REPAIRED: dict[QueueMisuse | PoolMisuse, str] = {
+    "duplicate": "it appears more than once in the batch; linked once",
+    "linked": "it is already linked into a free list; left where it is",
+    "sentinel": "it is a sentinel of this queue; left where it is",
+    "not_linked": "it is not linked; nothing removed",
+    "other_pool": "it belongs to another pool's queue; left where it is",
+    "double_free": "it was given more times than it holds references; the excess dropped",
+    "negative_ref": "its ref_cnt was negative (an unguarded double free); taken as 0",
+    "held_free": "it was in the free list while held; unlinked instead of handed out",
+}
+
+_qualname = type.__dict__["__qualname__"].__get__
+_namespace = type.__dict__["__dict__"].__get__
+_BOUND = slice(0, 80)
+# Where vLLM defines its block class; the fields its __repr__ shows (every line has the
+# same __repr__ but 0.23, whose blocks lack _block_hash_num_tokens and so its field).
+_VLLM_BLOCK_MODULE = "vllm.v1.core.kv_cache_utils"
+_REPR_FIELDS = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens")
+_REPR_LINKS = ("prev_free_block", "next_free_block")
+# A hash longer than any vLLM makes is not printed whole.
+_HASH_BOUND = 1024
 
 
 def number(n: int) -> str:
@@ -31,6 +70,8 @@ def invalid_next(method: str) -> RuntimeError:
     )
 
 
+# A lost end of the list. vLLM's append() raises TAIL_LOST as a RuntimeError, while its
+# append_n() and prepend_n() assert (AssertionError): both twins keep vLLM's two types.
 TAIL_LOST = "prev_free_block of fake_free_list_tail should always exist"
 HEAD_LOST = "next_free_block of fake_free_list_head should always exist"
 
@@ -45,25 +86,32 @@ def negative(n: int) -> ValueError:
     return ValueError(f"popleft_n() needs n >= 0, got {number(n)}")
 
 
-def not_a_first_block(type_name: str, why: TypeError) -> TypeError:
+def not_a_first_block(block_type: type, why: TypeError) -> TypeError:
     return TypeError(
-        f"FreeKVCacheBlockQueue(): blocks[0] has type {type_name}, which the queue cannot "
-        f"thread: {why}"
+        f"FreeKVCacheBlockQueue(): blocks[0] has type {_name(block_type)}, which the queue "
+        f"cannot thread: {why}"
     )
 
 
-def not_a_block(described: str, block_type: str, where: str, why: str) -> TypeError:
-    return TypeError(f"{where}: expected a {block_type}, got {described}{why}")
+def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
+    why = ""
+    if is_subtype(type(obj), block_type):
+        changed = layout_change(type(obj), block_type)
+        why = (
+            f", whose class redefines {changed} (the queue reads and writes "
+            f"{_name(block_type)}'s own)"
+        )
+    return TypeError(f"{where}: expected a {_name(block_type)}, got {describe(obj)}{why}")
 
 
-def corrupted(where: str, described: str) -> RuntimeError:
+def corrupted(where: str, obj: object) -> RuntimeError:
     return RuntimeError(
-        f"{where}: the free list is corrupted (a link holds {described}); were "
+        f"{where}: the free list is corrupted (a link holds {describe(obj)}); were "
         "prev_free_block/next_free_block assigned outside the queue?"
     )
 
 
-# What each kind of misuse raises under "raise" (the kinds of _policy.KINDS).
+# What a batch's misuse raises under "raise".
 _LINK_MISUSES = {
     "sentinel": "is a sentinel of this queue",
     "duplicate": "appears more than once in the batch",
@@ -71,7 +119,11 @@ _LINK_MISUSES = {
 }
 
 
-def misuse(method: str, kind: str, described: str) -> Exception:
+def misuse(method: str, kind: QueueMisuse, block: object) -> Exception:
+    """What a misuse of ``kind`` raises under ``"raise"``. The one vLLM raises too,
+    ``remove()`` of a block that is not linked, names a block of vLLM's class or
+    kvqueue's as vLLM does."""
+    described = (vllm_repr(block) if kind == "not_linked" else None) or describe(block)
     if kind == "not_linked":
         return RuntimeError(f"remove() called on an invalid block: {described}")
     if kind == "other_pool":
@@ -90,8 +142,8 @@ def not_iterable(method: str) -> TypeError:
     return TypeError(f"{method}() needs an iterable of blocks")
 
 
-def count_not_an_integer(type_name: str) -> TypeError:
-    return TypeError(f"num_free_blocks must be an integer, not {type_name}")
+def count_not_an_integer(value: object) -> TypeError:
+    return TypeError(f"num_free_blocks must be an integer, not {_name(type(value))}")
 
 
 def count_out_of_range(num: int) -> ValueError:
@@ -112,3 +164,92 @@ UNCOPYABLE = (
 INITIALIZED = "the queue is already initialized"
 BUILDING = "the queue is being initialized: __init__ cannot be called again from inside it"
 UNINITIALIZED = "the queue is not initialized"
+
+
+def describe(obj: object) -> str:
+    """``obj`` for a message, bounded, and without calling anything of its own: a
+    block's ``__repr__`` may walk the links (vLLM's dataclass does) or raise."""
+    cls = type(obj)
+    name = _name(cls)
+    if cls is NoneType or cls is bool or cls is float:
+        return f"{name} {obj!r}"
+    if cls is int:
+        return f"{name} {number(obj)}"  # type: ignore[arg-type]
+    if cls is str:
+        return f"{name} {str.__repr__(str.__getitem__(obj, _BOUND))}"  # type: ignore[index]
+    found = block_id(obj)
+    if found is not None:
+        return f"{name}(block_id={number(found)})"
+    return f"{name} object at {id(obj):#x}"
+
+
+def block_id(obj: object) -> int | None:
+    """``obj``'s ``block_id`` read from its class's slot, if that is an int; no code of
+    the object's or its class's runs."""
+    cls = type(obj)
+    value = _slot_value(obj, cls, lookup(cls, "block_id"))
+    return value if type(value) is int else None
+
+
+def vllm_repr(obj: object) -> str | None:
+    """What vLLM's ``KVCacheBlock.__repr__`` returns for ``obj``, a block of vLLM's own
+    class or of kvqueue's, built from the class's slots: the block's own ``__repr__``
+    (which reads the neighbours' ``block_id``) does not run. None for another class, or
+    for a field vLLM's repr would print through code of its own (bounded: ``describe``).
+    """
+    cls = type(obj)
+    if cls is not KVCacheBlock and (
+        _namespace(cls).get("__module__") != _VLLM_BLOCK_MODULE or _qualname(cls) != "KVCacheBlock"
+    ):
+        return None
+    parts = []
+    for name in _REPR_FIELDS:
+        slot = lookup(cls, name)
+        if slot is _block.MISSING and name == "_block_hash_num_tokens":
+            continue
+        shown = _shown(_slot_value(obj, cls, slot), name == "_block_hash")
+        if shown is None:
+            return None
+        parts.append(f"{name}={shown}")
+    for name in _REPR_LINKS:
+        link = _slot_value(obj, cls, lookup(cls, name))
+        if link is None:
+            parts.append(f"{name}=None")
+            continue
+        if link is _block.MISSING:
+            return None
+        # vLLM prints the neighbour's block_id; a neighbour of another class may run code.
+        link_cls = type(link)
+        if link_cls is not cls:
+            return None
+        shown = _shown(_slot_value(link, cls, lookup(cls, "block_id")), False)
+        if shown is None:
+            return None
+        parts.append(f"{name}={shown}")
+    return f"KVCacheBlock({', '.join(parts)})"
+
+
+def _slot_value(obj: object, cls: type, slot: Any) -> Any:
+    if type(slot) is not MemberDescriptorType:
+        return _block.MISSING
+    try:
+        return slot.__get__(obj, cls)
+    except (AttributeError, TypeError):
+        return _block.MISSING
+
+
+def _shown(value: Any, as_repr: bool) -> str | None:
+    """``value`` as vLLM's f-string shows it (``{}``, or ``{!r}`` for the hash), for the
+    types vLLM stores there; None for others."""
+    if value is None:
+        return "None"
+    cls = type(value)
+    if cls is int and -(10**30) < value < 10**30:
+        return int.__repr__(value)
+    if as_repr and cls is bytes and len(value) <= _HASH_BOUND:
+        return bytes.__repr__(value)
+    return None
+
+
+def _name(cls: type) -> str:
+    return str.__getitem__(_qualname(cls), _BOUND)

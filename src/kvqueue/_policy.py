@@ -13,7 +13,7 @@ from typing import Literal
 
 from . import _env
 
-__all__ = ("ENV", "KINDS", "MisusePolicy", "resolve")
+__all__ = ("ENV", "MisusePolicy", "resolve")
 
 MisusePolicy = Literal["raise", "repair"]
 
@@ -22,15 +22,6 @@ MisusePolicy = Literal["raise", "repair"]
 ENV = _env.MISUSE_POLICY
 
 _POLICIES: dict[str, MisusePolicy] = {"raise": "raise", "repair": "repair"}
-
-#: The repairs, by kind, with what each one did (the log line says it).
-KINDS: dict[str, str] = {
-    "duplicate": "it appears more than once in the batch; linked once",
-    "linked": "it is already linked into a free list; left where it is",
-    "sentinel": "it is a sentinel of this queue; left where it is",
-    "not_linked": "it is not linked; nothing removed",
-    "other_pool": "it belongs to another pool's queue; left where it is",
-}
 
 
 def resolve(on_misuse: object) -> MisusePolicy:

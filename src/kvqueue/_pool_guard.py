@@ -41,22 +41,15 @@ import sys
 import weakref
 from collections.abc import Callable
 from operator import index
-from types import FunctionType, ModuleType
+from types import ModuleType
 from typing import Any
 
-from . import _block, _core, _errors, _log, _policy
+from . import _block, _errors, _foreign, _log, _policy
 
-__all__ = ("GUARDED", "KINDS", "ForeignPatch", "guard", "originals", "pool_repairs", "unguard")
+__all__ = ("GUARDED", "guard", "originals", "pool_repairs", "unguard")
 
 #: The methods guarded, in the order a request meets them.
 GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
-
-#: The pool repairs, by kind, with what each one did (the log line says it).
-KINDS: dict[str, str] = {
-    "double_free": "it was given more times than it holds references; the excess dropped",
-    "negative_ref": "its ref_cnt was negative (an unguarded double free); taken as 0",
-    "held_free": "it was in the free list while held; unlinked instead of handed out",
-}
 
 PolicyOf = Callable[[Any], _policy.MisusePolicy]
 
@@ -65,15 +58,6 @@ _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictio
 
 _MISSING: Any = object()
 _namespace = type.__dict__["__dict__"].__get__
-
-
-class ForeignPatch(Exception):
-    """A guarded method is not vLLM's own: another project replaced it."""
-
-    def __init__(self, attribute: str, found: object) -> None:
-        module = getattr(found, "__module__", None) or "an unknown module"
-        name = getattr(found, "__qualname__", None) or type(found).__qualname__
-        super().__init__(f"{attribute} is not vLLM's own: {module} replaced it with {name}")
 
 
 class _Guard:
@@ -137,14 +121,14 @@ def _register(function: Callable[..., Any], made: _Guard) -> None:
 
 def pool_repairs(pool: object) -> dict[str, int]:
     """The repairs the guard made on ``pool``, by kind (all 0 for a pool it never repaired)."""
-    return dict(_repairs.get(pool) or dict.fromkeys(KINDS, 0))
+    return dict(_repairs.get(pool) or dict.fromkeys(_errors.POOL_MISUSES, 0))
 
 
 def originals(pool_class: type, *, wrap_foreign: bool) -> dict[str, Any]:
     """The methods the guard would wrap, by name: vLLM's own (or what is there).
 
-    Raises ForeignPatch if a method is neither vLLM's own nor kvqueue's guard, unless
-    ``wrap_foreign``: then the guard wraps what is there.
+    Raises VLLMLayoutError if a method is neither vLLM's own nor kvqueue's guard,
+    unless ``wrap_foreign``: then the guard wraps what is there.
     """
     found_methods: dict[str, Any] = {}
     namespace = _namespace(pool_class)
@@ -155,23 +139,12 @@ def originals(pool_class: type, *, wrap_foreign: bool) -> dict[str, Any]:
         made = _ours(found)
         if made is not None:
             found = made.original
-        elif not wrap_foreign and not _defined_in(found, pool_class, name):
-            own = f"{pool_class.__qualname__}.{name}"
-            raise ForeignPatch(f"{pool_class.__module__}.{own}", found)
+        elif not wrap_foreign:
+            patch = _foreign.method_patch(pool_class, name, found)
+            if patch is not None:
+                raise _foreign.refused(patch, _foreign.METHOD_WRAPPED)
         found_methods[name] = found
     return found_methods
-
-
-def _defined_in(found: object, pool_class: type, name: str) -> bool:
-    """Whether ``found`` is a function defined with ``pool_class`` in its module: its
-    globals are that module's (``functools.wraps`` copies a name, not the globals)."""
-    module = sys.modules.get(pool_class.__module__)
-    return (
-        type(found) is FunctionType
-        and module is not None
-        and found.__globals__ is vars(module)
-        and found.__qualname__ == f"{pool_class.__qualname__}.{name}"
-    )
 
 
 def guard(
@@ -398,7 +371,7 @@ def _count(pool: Any, method: str, block: Any) -> int:
         return int.__index__(value)
     raise TypeError(
         f"{_call(method)} was given block {_named(block)} whose ref_cnt is "
-        f"{_core.describe(value)}, not an integer; nothing was changed. {_where(pool)}"
+        f"{_errors.describe(value)}, not an integer; nothing was changed. {_where(pool)}"
     )
 
 
@@ -583,12 +556,14 @@ def _alloc(
 _Note = tuple[Any, ...]
 
 
-def _repaired(pool: Any, method: str, block: Any, kind: str, notes: list[_Note]) -> None:
+def _repaired(
+    pool: Any, method: str, block: Any, kind: _errors.PoolMisuse, notes: list[_Note]
+) -> None:
     counts = _repairs.get(pool)
     if counts is None:
-        counts = _repairs[pool] = dict.fromkeys(KINDS, 0)
+        counts = _repairs[pool] = dict.fromkeys(_errors.POOL_MISUSES, 0)
     counts[kind] += 1
-    notes.append((_call(method), kind, counts[kind], _named(block), KINDS[kind], pool))
+    notes.append((_call(method), kind, counts[kind], _named(block), _errors.REPAIRED[kind], pool))
 
 
 def _then_log(notes: list[_Note], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -611,8 +586,8 @@ def _log_notes(notes: list[_Note]) -> None:
 def _named(block: Any) -> str:
     """A block for a message: its ``block_id`` from its slot, else as ``describe`` has it;
     no code of the block's runs."""
-    found = _core.block_id(block)
-    return _core.describe(block) if found is None else _errors.number(found)
+    found = _errors.block_id(block)
+    return _errors.describe(block) if found is None else _errors.number(found)
 
 
 def _call(method: str) -> str:

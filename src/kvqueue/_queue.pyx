@@ -17,29 +17,35 @@ store is used only where the old value is None or held elsewhere.
 
 The list's invariants are the pure twin's (see the ``_queue_py`` docstring);
 misuse is refused or repaired by the same rules, in the same order. What both
-twins share (argument parsing, which blocks and pools a queue takes, the count
-validator, messages) is in ``_core``; this module imports nothing of the pure one.
+twins share is in neutral modules (``_core``: argument parsing, which blocks and
+pools a queue takes, the count validator; ``_errors``: exceptions and messages);
+this module imports nothing of the pure one.
 
-Each method here and its pure twin::
+Both twins define these methods, in this order, with the same parameters
+(C's types aside); ``tests/test_surface.py`` reads both files to check it::
 
-    compiled                               pure (_queue_py)
-    __init__ (_core.constructor_arguments)  __init__
-    _build                                 _build
-    popleft, popleft_n, remove, append,    the same names
-      append_n, prepend_n, get_all_free_blocks,
-      iter_blocks_after, __iter__, __len__, __repr__, __reduce_ex__
-    num_free_blocks member, __setattr__,   num_free_blocks property
-      __delattr__
-    _link + _link_failed, _pool_run        _link + _link_failed, _checked_run (and
-                                             _link's loop written out in append_n)
-    _link_repaired, _screen, _misuse       the same names
-    _unlink_run                            _undo (partial=...)
-    _misused_append, _misused_remove       inline in append, remove
-    _insert_one                            inline in append_n
-    _follow, _read, _unset                 attribute access
-    _count_obj, _set_count                 int arithmetic
-    _takes, _refuse_takes                  inline in popleft_n
-    _BlockIterator                         the generator _iter_after
+    __init__ (the compiled one parses with _core.constructor_arguments), _build,
+    popleft, popleft_n, remove, _misused_remove, append, _misused_append,
+    append_n, prepend_n, _link, _checked_run, _link_failed, _link_repaired,
+    _screen, _misuse, get_all_free_blocks, iter_blocks_after, __iter__,
+    __len__, __reduce_ex__, __repr__
+
+Only the compiled twin has these, for what C does not give for free::
+
+    _count_obj, _assigned_count_obj, _set_count    the count's int (pure: int arithmetic)
+    __dealloc__, __setattr__, __delattr__          the num_free_blocks member (pure: a property)
+    _check                                         a queue made by __new__ alone
+    _read, _follow, _unset                         slot reads (pure: attribute access)
+    _takes, _refuse_takes                          popleft_n's count checks (pure: inline)
+    _insert_one, _in_pool, _is_fresh               the one-block batch (pure: inline in append_n)
+    _unlink_run                                    _link's undo (pure: _undo)
+    _BlockIterator                                 iter_blocks_after's cursor (pure: _iter_after)
+
+Only the pure twin has these::
+
+    __init_subclass__      refuses subclasses, as the compiled type is final
+    _undo                  puts every link back, for exceptions raised between bytecodes
+    _iter_after            the generator behind iter_blocks_after
 
 The deliberate differences, and why:
 
@@ -63,12 +69,14 @@ The deliberate differences, and why:
 - A queue made by ``__new__`` alone refuses every method here with
   RuntimeError (``_check``); the pure twin fails at its first read of an unset
   slot, with AttributeError, so that its valid path pays for no check.
-- A bound queue checks its pool in a pass of its own (``_pool_run``), as the
-  pure twin's ``_link`` does (``_checked_run``, which also checks a batch that
-  holds a subclass's block), so that the unbound linking loop is unchanged; the
-  pure ``append_n``, vLLM's free path, checks it in its loop instead (a bound
-  queue's class has ``pool`` as a plain slot, read with no Python code run).
-  All stop at the same block.
+- A bound queue checks its pool in a pass of its own (``_checked_run``), as
+  the pure twin's ``_link`` does (where that pass also takes a batch that holds
+  a subclass's block, whose check runs Python code), so that the unbound
+  linking loop is unchanged; the pure ``append_n``, vLLM's free path, checks it
+  in its loop instead (a bound queue's class has ``pool`` as a plain slot, read
+  with no Python code run). The pure pass finds the failing block itself; the
+  compiled one's loop links up to where the pass stopped and fails there or
+  earlier. All stop at the same block.
 """
 
 cimport cython
@@ -82,7 +90,7 @@ from cpython.type cimport PyType_Check
 from types import GenericAlias
 
 from kvqueue import _core, _errors, _log, _policy
-from kvqueue._block import KVCacheBlock, check_block_type, lookup
+from kvqueue._block import LAYOUT, KVCacheBlock, check_block_type, lookup
 
 cdef extern from "_slots.h":
     Py_ssize_t kv_member_offset(PyTypeObject *tp, object name, int writable)
@@ -94,7 +102,7 @@ cdef extern from "_slots.h":
     Py_ssize_t kvq_exact_ssize(object o)
     int kvq_expose_count(PyTypeObject *tp, Py_ssize_t offset) except -1
     int kvq_hide_vtable(PyTypeObject *tp) except -1
-    int kvq_init_layout() except -1
+    int kvq_init_layout(object names) except -1
 
 cdef extern from "Python.h":
     const Py_ssize_t PY_SSIZE_T_MAX
@@ -106,7 +114,7 @@ cdef extern from "Python.h":
 cdef PyObject *NONE = <PyObject *>None
 
 
-kvq_init_layout()
+kvq_init_layout(LAYOUT)
 
 
 cdef inline object _as_sequence(object blocks, str method):
@@ -229,13 +237,13 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         self._offset = 0
         self._set_count(0, 0)
         self._repair = on_misuse == "repair"
-        self._repairs = dict.fromkeys(_policy.KINDS, 0)
+        self._repairs = dict.fromkeys(_errors.QUEUE_MISUSES, 0)
         self._tp = tp
         # Python code ran since `n` was read (the block class, its constructor,
         # finalizers), and `seq` may be the caller's own list: read it again.
         n = PySequence_Fast_GET_SIZE(seq)
         if n:
-            self._link("FreeKVCacheBlockQueue", head, tail, seq, n)
+            self._link("FreeKVCacheBlockQueue", False, seq)
         return 0
 
     cdef inline object _count_obj(self, Py_ssize_t new_len):
@@ -277,14 +285,14 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             return self._unset(block, offset)
         return value
 
-    cdef inline PyObject *_follow(self, PyObject *block, Py_ssize_t offset, str where) except NULL:
-        """The link at ``offset``: None or a block, else an exception."""
+    cdef inline PyObject *_follow(self, PyObject *block, Py_ssize_t offset, str method) except NULL:
+        """The link at ``offset``: None or a block, else an exception naming ``method``."""
         cdef PyObject *value = kvq_get(block, offset)
         if value is NONE or (value is not NULL and kvq_is_block(value, self._tp)):
             return value
         if value is NULL:
             return self._unset(block, offset)
-        raise _core.corrupted(where, <object>value)
+        raise _errors.corrupted(f"{method}()", <object>value)
 
     cdef PyObject *_unset(self, PyObject *block, Py_ssize_t offset) except NULL:
         if offset == self._prev:
@@ -326,40 +334,6 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             raise AttributeError(_errors.COUNT_UNDELETABLE)
         PyObject_GenericSetAttr(self, name, NULL)
 
-    # The misuses of the O(1) calls are handled out of their bodies: kept small,
-    # those let the C compiler inline the linking itself.
-    cdef int _misused_remove(self, object block) except -1:
-        if self._pool is not None and kvq_get(<PyObject *>block, self._pool_off) is not (
-            <PyObject *>self._pool
-        ):
-            self._read(<PyObject *>block, self._pool_off)
-            # A sentinel's pool is None, but removing one is the unbound queue's error.
-            if block is not self.fake_free_list_head and block is not self.fake_free_list_tail:
-                return self._misuse("remove", block, "other_pool")
-        return self._misuse("remove", block, "not_linked")
-
-    cdef int _misused_append(self, object block) except -1:
-        cdef PyObject *b = <PyObject *>block
-        if self._read(b, self._prev) is NONE and self._read(b, self._next) is NONE:
-            self._read(b, self._pool_off)
-            return self._misuse("append", block, "other_pool")
-        if block is self.fake_free_list_head or block is self.fake_free_list_tail:
-            return self._misuse("append", block, "sentinel")
-        return self._misuse("append", block, "linked")
-
-    cdef int _misuse(self, str method, object block, str kind) except -1:
-        """Raise under ``"raise"``; else count and report the repair. The message
-        is made only here, when it is needed."""
-        if not self._repair:
-            raise _core.misuse(method, kind, block)
-        count = self._repairs[kind] + 1
-        self._repairs[kind] = count
-        _log.queue_repaired(method, block, kind, count)
-        return 0
-
-    cdef inline bint _in_pool(self, PyObject *b) noexcept:
-        return self._pool is None or kvq_get(b, self._pool_off) is <PyObject *>self._pool
-
     def popleft(self):
         """Pop the first free block. O(1).
 
@@ -367,14 +341,14 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         """
         self._check()
         head = self.fake_free_list_head
-        cdef PyObject *first = self._follow(<PyObject *>head, self._next, "popleft()")
+        cdef PyObject *first = self._follow(<PyObject *>head, self._next, "popleft")
         if first is <PyObject *>self.fake_free_list_tail or first is NONE:
             # vLLM asserts that the count is 0 here before it raises ValueError.
             if self._offset != -self._len:
                 raise _errors.out_of_sync(<object>self._num_obj)
             raise _errors.empty()
         block = <object>first
-        next_block = <object>self._follow(first, self._next, "popleft()")
+        next_block = <object>self._follow(first, self._next, "popleft")
         if next_block is None:
             raise _errors.invalid_next("popleft")
         num_obj = self._count_obj(self._len - 1)
@@ -420,14 +394,14 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             self._refuse_takes(count, index)
         head = self.fake_free_list_head
         cdef PyObject *tail = <PyObject *>self.fake_free_list_tail
-        cdef PyObject *curr = self._follow(<PyObject *>head, self._next, "popleft_n()")
+        cdef PyObject *curr = self._follow(<PyObject *>head, self._next, "popleft_n")
         # Walk first, unlink after: a short or broken list raises untouched.
         for i in range(count):
             if curr is NONE or curr is tail:
                 raise _errors.out_of_sync(<object>self._num_obj)
             Py_INCREF(<object>curr)
             PyList_SET_ITEM(ret, i, <object>curr)
-            curr = self._follow(curr, self._next, "popleft_n()")
+            curr = self._follow(curr, self._next, "popleft_n")
         if curr is NONE:
             raise _errors.invalid_next("popleft_n")
         num_obj = self._count_obj(self._len - count)
@@ -464,14 +438,14 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         self._check()
         cdef PyObject *b = <PyObject *>block
         if not kvq_is_block(b, self._tp):
-            raise _core.not_a_block(block, self.block_type, "remove()")
+            raise _errors.not_a_block(block, self.block_type, "remove()")
         if not self._in_pool(b):
             self._misused_remove(block)
             return
-        prev_block = <object>self._follow(b, self._prev, "remove()")
-        next_block = <object>self._follow(b, self._next, "remove()")
+        prev_block = <object>self._follow(b, self._prev, "remove")
+        next_block = <object>self._follow(b, self._next, "remove")
         if prev_block is None or next_block is None:
-            self._misuse("remove", block, "not_linked")
+            self._misused_remove(block)
             return
         num_obj = self._count_obj(self._len - 1)
         _old_next = kvq_swap(<PyObject *>prev_block, self._next, <PyObject *>next_block)
@@ -479,6 +453,18 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         kvq_set(b, self._prev, NONE)
         kvq_set(b, self._next, NONE)
         self._set_count(self._len - 1, num_obj)
+
+    cdef int _misused_remove(self, object block) except -1:
+        """Which misuse a refused ``remove(block)`` was, raised or repaired. Out of the
+        O(1) call's body, as ``_misused_append``: kept small, that body is inlined."""
+        if self._pool is not None and kvq_get(<PyObject *>block, self._pool_off) is not (
+            <PyObject *>self._pool
+        ):
+            self._read(<PyObject *>block, self._pool_off)
+            # A sentinel's pool is None, but removing one is the unbound queue's error.
+            if block is not self.fake_free_list_head and block is not self.fake_free_list_tail:
+                return self._misuse("remove", block, "other_pool")
+        return self._misuse("remove", block, "not_linked")
 
     def append(self, block, /):
         """Put ``block`` at the end of the queue (evicted last). O(1).
@@ -488,12 +474,12 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         """
         self._check()
         tail = self.fake_free_list_tail
-        last_block = <object>self._follow(<PyObject *>tail, self._prev, "append()")
+        last_block = <object>self._follow(<PyObject *>tail, self._prev, "append")
         if last_block is None:
             raise RuntimeError(_errors.TAIL_LOST)
         cdef PyObject *b = <PyObject *>block
         if not kvq_is_block(b, self._tp):
-            raise _core.not_a_block(block, self.block_type, "append()")
+            raise _errors.not_a_block(block, self.block_type, "append()")
         if (
             self._read(b, self._prev) is not NONE
             or self._read(b, self._next) is not NONE
@@ -510,6 +496,16 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         _old_prev = kvq_swap(<PyObject *>tail, self._prev, b)
         self._set_count(self._len + 1, num_obj)
 
+    cdef int _misused_append(self, object block) except -1:
+        """Which misuse a refused ``append(block)`` was, raised or repaired."""
+        cdef PyObject *b = <PyObject *>block
+        if self._read(b, self._prev) is NONE and self._read(b, self._next) is NONE:
+            self._read(b, self._pool_off)
+            return self._misuse("append", block, "other_pool")
+        if block is self.fake_free_list_head or block is self.fake_free_list_tail:
+            return self._misuse("append", block, "sentinel")
+        return self._misuse("append", block, "linked")
+
     cdef inline int _insert_one(self, PyObject *b, object left, object right) except -1:
         """Link the checked, unlinked block ``b`` between ``left`` and ``right``."""
         num_obj = self._count_obj(self._len + 1)
@@ -519,6 +515,9 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         _old_prev = kvq_swap(<PyObject *>right, self._prev, b)
         self._set_count(self._len + 1, num_obj)
         return 0
+
+    cdef inline bint _in_pool(self, PyObject *b) noexcept:
+        return self._pool is None or kvq_get(b, self._pool_off) is <PyObject *>self._pool
 
     cdef inline bint _is_fresh(self, PyObject *b) noexcept:
         """An exact-type block of the pool with no links: the one-block batches' fast path."""
@@ -539,16 +538,17 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if n == 0:
             return
-        tail = self.fake_free_list_tail
-        last_block = <object>self._follow(<PyObject *>tail, self._prev, "append_n()")
-        if last_block is None:
-            raise AssertionError(_errors.TAIL_LOST)
+        cdef PyObject *b = PySequence_Fast_GET_ITEM(seq, 0)
         # One block, the most frequent batch, is linked as append() links it;
         # anything but a fresh block goes through _link, which reports it.
-        if n == 1 and self._is_fresh(PySequence_Fast_GET_ITEM(seq, 0)):
-            self._insert_one(PySequence_Fast_GET_ITEM(seq, 0), last_block, tail)
+        if n == 1 and self._is_fresh(b):
+            tail = self.fake_free_list_tail
+            last_block = <object>self._follow(<PyObject *>tail, self._prev, "append_n")
+            if last_block is None:
+                raise AssertionError(_errors.TAIL_LOST)
+            self._insert_one(b, last_block, tail)
         else:
-            self._link("append_n", last_block, tail, seq, n)
+            self._link("append_n", False, seq)
 
     def prepend_n(self, blocks, /):
         """Put ``blocks`` at the front of the queue (evicted first), in order.
@@ -561,124 +561,125 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if n == 0:
             return
-        head = self.fake_free_list_head
-        first_block = <object>self._follow(<PyObject *>head, self._next, "prepend_n()")
-        if first_block is None:
-            raise AssertionError(_errors.HEAD_LOST)
-        if n == 1 and self._is_fresh(PySequence_Fast_GET_ITEM(seq, 0)):
-            self._insert_one(PySequence_Fast_GET_ITEM(seq, 0), head, first_block)
+        cdef PyObject *b = PySequence_Fast_GET_ITEM(seq, 0)
+        if n == 1 and self._is_fresh(b):
+            head = self.fake_free_list_head
+            first_block = <object>self._follow(<PyObject *>head, self._next, "prepend_n")
+            if first_block is None:
+                raise AssertionError(_errors.HEAD_LOST)
+            self._insert_one(b, head, first_block)
         else:
-            self._link("prepend_n", head, first_block, seq, n)
+            self._link("prepend_n", True, seq)
 
-    cdef int _link(
-        self, str method, object left, object right, object seq, Py_ssize_t n, bint screened=False
-    ) except -1:
-        """Link the ``n`` > 0 blocks of list or tuple ``seq`` between two blocks;
-        1 if it did.
+    cdef int _link(self, str method, bint front, object blocks, bint screened=False) except -1:
+        """Link the non-empty list or tuple ``blocks`` at the front or the end; 1 if
+        it did.
 
         Each block is checked as it is linked; on the first bad one the links
         made so far are undone. A block seen twice is caught because its first
         visit already gave it a ``prev_free_block``. No Python code can run
-        inside the loop (every old value replaced is None), so ``seq`` cannot
+        inside the loop (every old value replaced is None), so ``blocks`` cannot
         change under it. Under ``"repair"`` a bad batch is screened and its
         good blocks linked; ``screened`` marks that second pass, which returns
         0, with nothing linked, if one of them was linked meanwhile.
         """
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks)
         cdef Py_ssize_t i
         cdef PyObject *b
-        cdef PyObject *prev = <PyObject *>left
         cdef PyTypeObject *tp = self._tp
         cdef Py_ssize_t P = self._prev
         cdef Py_ssize_t N = self._next
+        if front:
+            left = self.fake_free_list_head
+            right = <object>self._follow(<PyObject *>left, N, method)
+            if right is None:
+                raise AssertionError(_errors.HEAD_LOST)
+        else:
+            right = self.fake_free_list_tail
+            left = <object>self._follow(<PyObject *>right, P, method)
+            if left is None:
+                raise AssertionError(_errors.TAIL_LOST)
+        cdef PyObject *prev = <PyObject *>left
         # A bound queue's pool is checked in a pass of its own, which leaves the
         # linking loop as it is for an unbound one: the loop stops where it found
         # the first block of another pool, and that block fails as in the pure twin.
-        cdef Py_ssize_t limit = n if self._pool is None else self._pool_run(seq, n)
+        cdef Py_ssize_t limit = n if self._pool is None else self._checked_run(blocks)
         # An int allocation cannot start a collection (ints are not tracked),
-        # so no Python code runs here before the loop reads `seq`.
+        # so no Python code runs here before the loop reads `blocks`.
         num_obj = self._count_obj(self._len + n)
         for i in range(limit):
-            b = PySequence_Fast_GET_ITEM(seq, i)
+            b = PySequence_Fast_GET_ITEM(blocks, i)
             if kvq_is_block(b, tp) and kvq_get(b, P) is NONE and kvq_get(b, N) is NONE:
                 kvq_set(b, P, prev)
                 if i:
                     kvq_set(prev, N, b)
                 prev = b
                 continue
-            return self._link_failed(method, seq, i, screened)
+            self._unlink_run(blocks, i)
+            return self._link_failed(method, front, blocks, i, screened)
         if limit < n:
-            return self._link_failed(method, seq, limit, screened)
+            self._unlink_run(blocks, limit)
+            return self._link_failed(method, front, blocks, limit, screened)
         kvq_set(prev, N, <PyObject *>right)
         _old_prev = kvq_swap(<PyObject *>right, P, prev)
-        _old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(seq, 0))
+        _old_next = kvq_swap(<PyObject *>left, N, PySequence_Fast_GET_ITEM(blocks, 0))
         self._set_count(self._len + n, num_obj)
         return 1
 
-    cdef Py_ssize_t _pool_run(self, object seq, Py_ssize_t n) noexcept:
-        """The index of the first item of ``seq`` that is not a block of the pool, or ``n``."""
+    cdef Py_ssize_t _checked_run(self, object blocks) noexcept:
+        """``len(blocks)`` if every item is a block of the queue's pool, else the index
+        of the first that is not (a bound queue's check, in a pass of its own)."""
         cdef Py_ssize_t i
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks)
         cdef PyObject *b
         for i in range(n):
-            b = PySequence_Fast_GET_ITEM(seq, i)
+            b = PySequence_Fast_GET_ITEM(blocks, i)
             if not kvq_is_block(b, self._tp) or kvq_get(b, self._pool_off) is not (
                 <PyObject *>self._pool
             ):
                 return i
         return n
 
-    cdef int _link_failed(self, str method, object seq, Py_ssize_t i, bint screened) except -1:
-        """``_link`` stopped at ``seq[i]``: undo, then raise, repair, or return 0."""
-        self._unlink_run(seq, i)
-        block = <object>PySequence_Fast_GET_ITEM(seq, i)
+    cdef int _link_failed(
+        self, str method, bint front, object blocks, Py_ssize_t position, bint screened
+    ) except -1:
+        """``_link`` stopped at ``blocks[position]``, with nothing linked: raise, repair,
+        or, on the screened pass, return 0."""
+        block = <object>PySequence_Fast_GET_ITEM(blocks, position)
         cdef PyObject *b = <PyObject *>block
         if not kvq_is_block(b, self._tp):
-            raise _core.not_a_block(block, self.block_type, f"{method}()")
+            raise _errors.not_a_block(block, self.block_type, f"{method}()")
         linked = self._read(b, self._prev) is not NONE or self._read(b, self._next) is not NONE
         if not linked and self._pool is not None:
             self._read(b, self._pool_off)  # unset: the AttributeError the pure twin gets
+        sentinels = (self.fake_free_list_head, self.fake_free_list_tail)
+        kind = _core.link_misuse(block, blocks, position, linked, sentinels)
         if screened:
             return 0
         if self._repair:
-            self._link_repaired(method, seq)
+            self._link_repaired(method, front, blocks)
             return 1
-        sentinels = (self.fake_free_list_head, self.fake_free_list_tail)
-        raise _core.misuse(method, _core.link_misuse(block, seq, i, linked, sentinels), block)
+        raise _errors.misuse(method, kind, block)
 
-    cdef int _link_repaired(self, str method, object seq) except -1:
+    cdef int _link_repaired(self, str method, bint front, object blocks) except -1:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
 
         Raises TypeError, with nothing linked, if the batch holds a non-block.
         Screens again if a block it found free was linked before it could link
-        it: the collections its allocations start run finalizers, which may
-        free one.
+        it (a finalizer run between the two passes may free one).
         """
         while True:
-            good, skipped = self._screen(method, seq)
-            if not good:
+            good, skipped = self._screen(method, blocks)
+            if not good or self._link(method, front, good, True):
                 break
-            # The ends as they are now: a finalizer may have moved them.
-            head = self.fake_free_list_head
-            tail = self.fake_free_list_tail
-            if method == "prepend_n":
-                first = <object>self._follow(<PyObject *>head, self._next, "prepend_n()")
-                if first is None:
-                    raise AssertionError(_errors.HEAD_LOST)
-                if self._link(method, head, first, good, len(good), True):
-                    break
-            else:
-                last = <object>self._follow(<PyObject *>tail, self._prev, f"{method}()")
-                if last is None:
-                    raise AssertionError(_errors.TAIL_LOST)
-                if self._link(method, last, tail, good, len(good), True):
-                    break
         for block, kind in skipped:
             self._misuse(method, block, kind)
         return 0
 
-    cdef tuple _screen(self, str method, object seq):
+    cdef tuple _screen(self, str method, object blocks):
         """The blocks of a batch that can be linked, and the rest with their misuse."""
-        # A private copy: the collector may run finalizers that change `seq`.
-        cdef list items = list(seq)
+        # A private copy: the collector may run finalizers that change `blocks`.
+        cdef list items = list(blocks)
         cdef PyObject *b
         sentinels = (self.fake_free_list_head, self.fake_free_list_tail)
         seen = set()
@@ -687,7 +688,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         for block in items:
             b = <PyObject *>block
             if not kvq_is_block(b, self._tp):
-                raise _core.not_a_block(block, self.block_type, f"{method}()")
+                raise _errors.not_a_block(block, self.block_type, f"{method}()")
             if block is sentinels[0] or block is sentinels[1]:
                 skipped.append((block, "sentinel"))
             elif id(block) in seen:
@@ -703,12 +704,22 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
                 good.append(block)
         return good, skipped
 
-    cdef void _unlink_run(self, object seq, Py_ssize_t count) noexcept:
-        """Clear the links of the first ``count`` blocks of ``seq`` (all held by it)."""
+    cdef int _misuse(self, str method, object block, str kind) except -1:
+        """Raise under ``"raise"``; else count and report the repair. The message
+        is made only here, when it is needed."""
+        if not self._repair:
+            raise _errors.misuse(method, kind, block)
+        count = self._repairs[kind] + 1
+        self._repairs[kind] = count
+        _log.queue_repaired(method, block, kind, count)
+        return 0
+
+    cdef void _unlink_run(self, object blocks, Py_ssize_t count) noexcept:
+        """Clear the links of the first ``count`` blocks of ``blocks`` (all held by it)."""
         cdef Py_ssize_t i
         cdef PyObject *b
         for i in range(count):
-            b = PySequence_Fast_GET_ITEM(seq, i)
+            b = PySequence_Fast_GET_ITEM(blocks, i)
             kvq_set(b, self._prev, NONE)
             kvq_set(b, self._next, NONE)
 
@@ -721,14 +732,14 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         # Allocated first: the allocation may run finalizers (see popleft_n).
         cdef list ret = []
         cdef PyObject *curr = self._follow(
-            <PyObject *>self.fake_free_list_head, self._next, "get_all_free_blocks()"
+            <PyObject *>self.fake_free_list_head, self._next, "get_all_free_blocks"
         )
         if curr is NONE:
             raise RuntimeError(_errors.HEAD_LOST)
         cdef Py_ssize_t limit = self._len
         cdef PyObject *next_block
         while True:
-            next_block = self._follow(curr, self._next, "get_all_free_blocks()")
+            next_block = self._follow(curr, self._next, "get_all_free_blocks")
             if next_block is NONE:
                 return ret
             if len(ret) >= limit:
@@ -747,7 +758,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         if cursor is None:
             return _BlockIterator(self, self.fake_free_list_head)
         if not kvq_is_block(<PyObject *>cursor, self._tp):
-            raise _core.not_a_block(cursor, self.block_type, "iter_blocks_after()")
+            raise _errors.not_a_block(cursor, self.block_type, "iter_blocks_after()")
         return _BlockIterator(self, cursor)
 
     def __iter__(self):
@@ -799,7 +810,7 @@ cdef class _BlockIterator:
         # Reachable from Python as type(it)(...): check what is handed in.
         queue._check()
         if curr is not None and not kvq_is_block(<PyObject *>curr, queue._tp):
-            raise _core.not_a_block(curr, queue.block_type, "iter_blocks_after()")
+            raise _errors.not_a_block(curr, queue.block_type, "iter_blocks_after()")
         self._queue = queue
         self._curr = curr
 
@@ -811,7 +822,7 @@ cdef class _BlockIterator:
             raise StopIteration
         queue = self._queue
         cdef PyObject *next_block = queue._follow(
-            <PyObject *>self._curr, queue._next, "iter_blocks_after()"
+            <PyObject *>self._curr, queue._next, "iter_blocks_after"
         )
         if next_block is NONE or next_block is <PyObject *>queue.fake_free_list_tail:
             self._curr = None

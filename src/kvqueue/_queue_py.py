@@ -37,7 +37,7 @@ the queue, and the checks of a subclass's blocks, come before the reads.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from operator import index
+from operator import index, length_hint
 from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast, final
 
 from . import _core, _errors, _log, _policy
@@ -129,7 +129,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._offset = 0
         self._on_misuse = policy
         self._pool = pool
-        self._repairs = dict.fromkeys(_policy.KINDS, 0)
+        self._repairs: dict[str, int] = dict.fromkeys(_errors.QUEUE_MISUSES, 0)
         self._tail: B = tail
         # Last: a queue with a head is built (a call on it from the constructor
         # above found no head and failed).
@@ -289,15 +289,13 @@ class FreeKVCacheBlockQueue(Generic[B]):
         ``"repair"`` the last two are no-ops.
         """
         if type(block) is not self._block_type and not is_block(block, self._block_type):
-            raise _core.not_a_block(block, self._block_type, "remove()")
+            raise _errors.not_a_block(block, self._block_type, "remove()")
         if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
-            # A sentinel's pool is None, but removing one is the unbound queue's error.
-            kind = "not_linked" if block is self._head or block is self._tail else "other_pool"
-            return self._misuse("remove", block, kind)
+            return self._misused_remove(block)
         prev_block = block.prev_free_block
         next_block = block.next_free_block
         if prev_block is None or next_block is None:
-            return self._misuse("remove", block, "not_linked")
+            return self._misused_remove(block)
         num = self._num_free_blocks
         try:
             prev_block.next_free_block = next_block
@@ -308,6 +306,19 @@ class FreeKVCacheBlockQueue(Generic[B]):
             self._undo(prev_block, (block,), next_block)
             self._num_free_blocks = num
             raise
+
+    def _misused_remove(self, block: B) -> None:
+        """Which misuse a refused ``remove(block)`` was, raised or repaired. Out of the
+        O(1) call's body, as ``_misused_append``, as in the compiled twin."""
+        # A sentinel's pool is None, but removing one is the unbound queue's error.
+        if (
+            self._pool is not None
+            and block.pool is not self._pool  # type: ignore[attr-defined]
+            and block is not self._head
+            and block is not self._tail
+        ):
+            return self._misuse("remove", block, "other_pool")
+        return self._misuse("remove", block, "not_linked")
 
     def append(self, block: B, /) -> None:
         """Put ``block`` at the end of the queue (evicted last). O(1).
@@ -320,12 +331,13 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if last_block is None:
             raise RuntimeError(_errors.TAIL_LOST)
         if type(block) is not self._block_type and not is_block(block, self._block_type):
-            raise _core.not_a_block(block, self._block_type, "append()")
-        if block.prev_free_block is not None or block.next_free_block is not None:
-            kind = "sentinel" if block is self._head or block is tail else "linked"
-            return self._misuse("append", block, kind)
-        if self._pool is not None and block.pool is not self._pool:  # type: ignore[attr-defined]
-            return self._misuse("append", block, "other_pool")
+            raise _errors.not_a_block(block, self._block_type, "append()")
+        if (
+            block.prev_free_block is not None
+            or block.next_free_block is not None
+            or (self._pool is not None and block.pool is not self._pool)  # type: ignore[attr-defined]
+        ):
+            return self._misused_append(block)
         num = self._num_free_blocks
         # The one-block link, written out here and in append_n: a call to a
         # helper costs as much as the link itself.
@@ -339,6 +351,14 @@ class FreeKVCacheBlockQueue(Generic[B]):
             self._undo(last_block, (), tail, (block,))
             self._num_free_blocks = num
             raise
+
+    def _misused_append(self, block: B) -> None:
+        """Which misuse a refused ``append(block)`` was, raised or repaired."""
+        if block.prev_free_block is None and block.next_free_block is None:
+            return self._misuse("append", block, "other_pool")
+        if block is self._head or block is self._tail:
+            return self._misuse("append", block, "sentinel")
+        return self._misuse("append", block, "linked")
 
     def append_n(self, blocks: Iterable[B], /) -> None:
         """Put ``blocks`` at the end of the queue, in order. O(len(blocks)).
@@ -426,14 +446,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             return
         self._link("prepend_n", True, blocks)
 
-    def _link(
-        self,
-        method: str,
-        front: bool,
-        blocks: Sequence[B],
-        screened: bool = False,
-        checked: bool = False,
-    ) -> bool:
+    def _link(self, method: str, front: bool, blocks: Sequence[B], screened: bool = False) -> bool:
         """Link the non-empty ``blocks`` at the front or the end; whether it did.
 
         Each block is checked as it is linked; on the first bad one the links
@@ -443,60 +456,71 @@ class FreeKVCacheBlockQueue(Generic[B]):
         the list. Under ``"repair"`` a bad batch is screened and its good
         blocks linked; ``screened`` marks that second pass, which returns
         False, with nothing linked, if one of them was linked meanwhile.
-        ``checked``: the blocks' classes and pools are checked in a pass of
-        their own (a bound queue's, or a batch with a subclass's block).
         ``append_n`` writes this loop out again for its exact-type blocks: an
         edit to one is an edit to both.
         """
         block_type = self._block_type
-        if checked or self._pool is not None:
-            # In a pass of its own, which leaves the linking loop as it is for an
-            # unbound queue's exact-type blocks (the constructor's 100,000 and more).
-            stop = self._checked_run(blocks)
-            if stop < len(blocks):
-                block = blocks[stop]
-                return self._link_failed(method, front, blocks, block, stop, screened, True)
-            checked = True
-        it = iter(blocks)  # allocated by a call before the ends are read, as in popleft_n
-        if front:
-            left: Any = self._head
-            right = left.next_free_block
-            if right is None:
-                raise AssertionError(_errors.HEAD_LOST)
-        else:
-            right = self._tail
-            left = right.prev_free_block
-            if left is None:
-                raise AssertionError(_errors.TAIL_LOST)
-        num = self._num_free_blocks
-        prev: Any = left
-        try:
-            for block in it:
-                # A subclass's check runs Python code: not while the batch is half linked.
-                if type(block) is not block_type and not checked:
-                    break
-                if block.prev_free_block is not None or block.next_free_block is not None:
-                    break
-                block.prev_free_block = prev
-                prev.next_free_block = block
-                prev = block
+        # Whether the batch's classes and pools were checked in a pass of their own (a
+        # bound queue's, or a batch with a subclass's block, whose check runs Python
+        # code): that leaves the loop as it is for an unbound queue's exact-type blocks
+        # (the constructor's 100,000 and more).
+        checked = False
+        while True:
+            if checked or self._pool is not None:
+                # A lost end is reported before the blocks, as by the compiled twin.
+                if front and self._head.next_free_block is None:
+                    raise AssertionError(_errors.HEAD_LOST)
+                if not front and self._tail.prev_free_block is None:
+                    raise AssertionError(_errors.TAIL_LOST)
+                stop = self._checked_run(blocks)
+                if stop < len(blocks):
+                    return self._link_failed(method, front, blocks, stop, screened)
+                checked = True
+            it = iter(blocks)  # allocated by a call before the ends are read, as in popleft_n
+            if front:
+                left: Any = self._head
+                right = left.next_free_block
+                if right is None:
+                    raise AssertionError(_errors.HEAD_LOST)
             else:
-                prev.next_free_block = right
-                right.prev_free_block = prev
-                self._num_free_blocks = num + len(blocks)
-                return True
-            position = self._undo(left, (), right, blocks)
-        except BaseException:
-            self._undo(left, (), right, blocks)
-            self._num_free_blocks = num
-            raise
-        return self._link_failed(method, front, blocks, block, position, screened, checked)
+                right = self._tail
+                left = right.prev_free_block
+                if left is None:
+                    raise AssertionError(_errors.TAIL_LOST)
+            num = self._num_free_blocks
+            prev: Any = left
+            try:
+                for block in it:
+                    # A subclass's check runs Python code: not while the batch is half linked.
+                    if type(block) is not block_type and not checked:
+                        break
+                    if block.prev_free_block is not None or block.next_free_block is not None:
+                        break
+                    block.prev_free_block = prev
+                    prev.next_free_block = block
+                    prev = block
+                else:
+                    prev.next_free_block = right
+                    right.prev_free_block = prev
+                    self._num_free_blocks = num + len(blocks)
+                    return True
+                self._undo(left, (), right, blocks)
+            except BaseException:
+                self._undo(left, (), right, blocks)
+                self._num_free_blocks = num
+                raise
+            # The loop's index, from what its iterator has left: a counter would cost
+            # every block.
+            position = len(blocks) - length_hint(it) - 1
+            if checked or type(block) is block_type:
+                return self._link_failed(method, front, blocks, position, screened)
+            checked = True
 
     def _checked_run(self, blocks: Sequence[B]) -> int:
         """``len(blocks)`` if every item is a block of the queue's class (and, for a
-        bound queue, of its pool; the compiled twin's ``_pool_run``), else the index
-        at which linking the batch fails: the first item that is not, or a block
-        before it that is linked or given twice."""
+        bound queue, of its pool), else the index at which linking the batch fails:
+        the first item that is not, or a block before it that is linked or given
+        twice (the compiled twin's loop finds those)."""
         block_type = self._block_type
         pool = self._pool
         stop = 0
@@ -519,24 +543,15 @@ class FreeKVCacheBlockQueue(Generic[B]):
         return stop
 
     def _link_failed(
-        self,
-        method: str,
-        front: bool,
-        blocks: Sequence[B],
-        block: B,
-        position: int,
-        screened: bool,
-        checked: bool,
+        self, method: str, front: bool, blocks: Sequence[B], position: int, screened: bool
     ) -> bool:
-        """``_link`` stopped at ``block``, ``blocks[position]``, with nothing linked:
-        raise, repair, or, on the screened pass, return False."""
+        """``_link`` stopped at ``blocks[position]``, with nothing linked: raise, repair,
+        or, on the screened pass, return False."""
+        block = blocks[position]
         block_type = self._block_type
         if type(block) is not block_type and not is_block(block, block_type):
-            raise _core.not_a_block(block, block_type, f"{method}()")
+            raise _errors.not_a_block(block, block_type, f"{method}()")
         linked = block.prev_free_block is not None or block.next_free_block is not None
-        if not checked and not linked and type(block) is not block_type:
-            # A subclass's block, which the loop leaves to a pass of its own.
-            return self._link(method, front, blocks, screened, checked=True)
         if not linked and self._pool is not None:
             block.pool  # type: ignore[attr-defined]  # noqa: B018 (unset: AttributeError)
         kind = _core.link_misuse(block, blocks, position, linked, (self._head, self._tail))
@@ -545,7 +560,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         if self._on_misuse == "repair":
             self._link_repaired(method, front, blocks)
             return True
-        raise _core.misuse(method, kind, block)
+        raise _errors.misuse(method, kind, block)
 
     def _link_repaired(self, method: str, front: bool, blocks: Sequence[B]) -> None:
         """Link the good blocks of a batch that failed ``_link``, then report the rest.
@@ -561,17 +576,19 @@ class FreeKVCacheBlockQueue(Generic[B]):
         for block, kind in skipped:
             self._misuse(method, block, kind)
 
-    def _screen(self, method: str, blocks: Sequence[B]) -> tuple[list[B], list[tuple[B, str]]]:
+    def _screen(
+        self, method: str, blocks: Sequence[B]
+    ) -> tuple[list[B], list[tuple[B, _errors.QueueMisuse]]]:
         """The blocks of a batch that can be linked, and the rest with their misuse."""
         block_type = self._block_type
         pool = self._pool
         sentinels = (self._head, self._tail)
         seen: set[int] = set()
         good: list[B] = []
-        skipped: list[tuple[B, str]] = []
+        skipped: list[tuple[B, _errors.QueueMisuse]] = []
         for block in blocks:
             if type(block) is not block_type and not is_block(block, block_type):
-                raise _core.not_a_block(block, block_type, f"{method}()")
+                raise _errors.not_a_block(block, block_type, f"{method}()")
             if block is sentinels[0] or block is sentinels[1]:
                 skipped.append((block, "sentinel"))
             elif id(block) in seen:
@@ -585,20 +602,19 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 good.append(block)
         return good, skipped
 
-    def _misuse(self, method: str, block: B, kind: str) -> None:
+    def _misuse(self, method: str, block: B, kind: _errors.QueueMisuse) -> None:
         """Raise under ``"raise"``; else count and report the repair. The message
         is made only here, when it is needed."""
         if self._on_misuse != "repair":
-            raise _core.misuse(method, kind, block)
+            raise _errors.misuse(method, kind, block)
         count = self._repairs[kind] + 1
         self._repairs[kind] = count
         _log.queue_repaired(method, block, kind, count)
 
-    def _undo(self, left: Any, run: Sequence[Any], right: Any, partial: Sequence[Any] = ()) -> int:
+    def _undo(self, left: Any, run: Sequence[Any], right: Any, partial: Sequence[Any] = ()) -> None:
         """Put the list between ``left`` and ``right`` back as it was: ``run`` linked
         between them, the blocks of ``partial`` that this call linked (those from the
-        first whose ``prev_free_block`` is the block before them) out. How many of
-        ``partial`` it took out.
+        first whose ``prev_free_block`` is the block before them) out.
 
         Every write is absolute, so that it is right however far the call got. The
         loops index instead of iterating: an iterator is an allocation, which can
@@ -628,7 +644,6 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 break
             prev = block
             i += 1
-        taken = i
         # From the last: a block keeps its prev_free_block until its turn, so that
         # an undo cut short by an exception finds the rest when it is run again.
         while i > 0:
@@ -636,7 +651,6 @@ class FreeKVCacheBlockQueue(Generic[B]):
             block = partial[i]
             block.next_free_block = None
             block.prev_free_block = None
-        return taken
 
     def get_all_free_blocks(self, /) -> list[B]:
         """All free blocks in eviction order (a snapshot). O(n).
@@ -667,7 +681,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
             return self._iter_after(self._head)
         block_type = self._block_type
         if type(cursor) is not block_type and not is_block(cursor, block_type):
-            raise _core.not_a_block(cursor, block_type, "iter_blocks_after()")
+            raise _errors.not_a_block(cursor, block_type, "iter_blocks_after()")
         return self._iter_after(cursor)
 
     def _iter_after(self, curr: Any) -> Iterator[B]:

@@ -86,23 +86,24 @@ static int kvq_hide_vtable(PyTypeObject *tp)
     return 0;
 }
 
-/* What a subclass of the block class must inherit untouched (_block._LAYOUT):
-   the slots read here by offset, and the attribute access the pure twin uses. */
-static const char *const kvq_layout_names[] = {
-    "prev_free_block", "next_free_block", "pool",
-    "__getattribute__", "__setattr__", "__delattr__", "__getattr__",
-};
-#define KVQ_LAYOUT_N (sizeof(kvq_layout_names) / sizeof(kvq_layout_names[0]))
-static PyObject *kvq_layout[KVQ_LAYOUT_N];
+/* What a subclass of the block class must inherit untouched: the names of
+   _block.LAYOUT (the one place they are written), a tuple of str held for the
+   module's life. */
+static PyObject *kvq_layout = NULL;
 
-static int kvq_init_layout(void)
+static int kvq_init_layout(PyObject *names)
 {
-    size_t i;
-    for (i = 0; i < KVQ_LAYOUT_N; i++) {
-        kvq_layout[i] = PyUnicode_InternFromString(kvq_layout_names[i]);
-        if (kvq_layout[i] == NULL) return -1;
+    Py_ssize_t i;
+    if (!PyTuple_CheckExact(names)) goto bad;
+    for (i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(names, i))) goto bad;
     }
+    Py_INCREF(names);
+    Py_XSETREF(kvq_layout, names);
     return 0;
+bad:
+    PyErr_SetString(PyExc_TypeError, "the block layout must be a tuple of str");
+    return -1;
 }
 
 #if defined(__GNUC__)
@@ -118,11 +119,12 @@ static int kvq_init_layout(void)
    _PyType_Lookup runs no Python code and sets no exception. */
 static KVQ_NOINLINE int kvq_is_subblock(PyTypeObject *sub, PyTypeObject *tp)
 {
-    size_t i;
+    Py_ssize_t i;
+    PyObject *name;
     if (!PyType_IsSubtype(sub, tp)) return 0;
-    for (i = 0; i < KVQ_LAYOUT_N; i++) {
-        if (_PyType_Lookup(sub, kvq_layout[i]) != _PyType_Lookup(tp, kvq_layout[i]))
-            return 0;
+    for (i = 0; i < PyTuple_GET_SIZE(kvq_layout); i++) {
+        name = PyTuple_GET_ITEM(kvq_layout, i);
+        if (_PyType_Lookup(sub, name) != _PyType_Lookup(tp, name)) return 0;
     }
     return 1;
 }

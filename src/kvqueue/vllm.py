@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _log, _policy, _pool_guard, _vllm_lines
+from . import _foreign, _log, _policy, _pool_guard, _vllm_lines
 from ._block import check_block_type
 from ._pool_guard import pool_repairs
 from ._vllm_lines import Line, VLLMLayoutError
@@ -177,7 +177,7 @@ def install(
             targets = _holders(None) if rebind else []
             if pool_guard and (state.implementation != name or not state.pool_originals):
                 if not state.pool_originals:
-                    _originals(state.pool_class, wrap_foreign)
+                    _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
                 state.wrap_foreign = wrap_foreign
                 state.pool_originals = _guard(state, screen)
             elif not pool_guard and state.pool_originals:
@@ -223,12 +223,9 @@ def _checked(
     missing = sorted(m for m in line.queue_methods if not hasattr(queue_class, m))
     if missing:
         raise VLLMLayoutError(f"vLLM's {_NAME} has methods kvqueue's lacks: {', '.join(missing)}")
-    foreign = _foreign_queue(original, vars(pool).get(_NAME))
+    foreign = _foreign.queue_patch(original, vars(pool).get(_NAME), _UTILS, _POOL, _NAME)
     if foreign and not wrap_foreign:
-        raise VLLMLayoutError(
-            f"{foreign}; kvqueue would bypass that patch. install(wrap_foreign=True) "
-            "(KVQUEUE_WRAP_FOREIGN=1) replaces it with kvqueue's queue anyway"
-        )
+        raise _foreign.refused(foreign, _foreign.QUEUE_WRAPPED)
     if foreign:
         _log.logger.warning("kvqueue: %s; kvqueue's queue replaces it (wrap_foreign)", foreign)
     assert isinstance(block_class, type)
@@ -252,49 +249,9 @@ def _version(vllm: ModuleType) -> str | None:
         return None
 
 
-def _foreign_queue(original: type, pool_name: object) -> str | None:
-    """What another project changed in vLLM's queue class, if anything."""
-    if pool_name is not original:
-        return f"{_POOL}.{_NAME} is not {_UTILS}.{_NAME}: {_describe(pool_name)} replaced it"
-    if original.__module__ != _UTILS:
-        return f"{_UTILS}.{_NAME} is not vLLM's own: {_describe(original)} replaced it"
-    for attribute, value in vars(original).items():
-        module = getattr(value, "__module__", _UTILS)
-        if callable(value) and module != _UTILS:
-            return f"{_UTILS}.{_NAME}.{attribute} is not vLLM's own: {_describe(value)} replaced it"
-    return None
-
-
-def _describe(obj: object) -> str:
-    module = getattr(obj, "__module__", None) or "an unknown module"
-    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
-    return f"{module}.{name}"
-
-
-def _originals(pool_class: type, wrap_foreign: bool) -> dict[str, Any]:
-    try:
-        return _pool_guard.originals(pool_class, wrap_foreign=wrap_foreign)
-    except _pool_guard.ForeignPatch as exc:
-        raise _foreign_method(exc) from None
-
-
 def _guard(state: _Installed, screen: ModuleType) -> dict[str, Any]:
-    try:
-        return _pool_guard.guard(
-            state.pool_class,
-            screen,
-            _pool_policy,
-            wrap_foreign=state.wrap_foreign,
-            line=state.line,
-        )
-    except _pool_guard.ForeignPatch as exc:
-        raise _foreign_method(exc) from None
-
-
-def _foreign_method(exc: _pool_guard.ForeignPatch) -> VLLMLayoutError:
-    return VLLMLayoutError(
-        f"{exc}; kvqueue would bypass or double that patch. install(wrap_foreign=True) "
-        "(KVQUEUE_WRAP_FOREIGN=1) has kvqueue's guard wrap it"
+    return _pool_guard.guard(
+        state.pool_class, screen, _pool_policy, wrap_foreign=state.wrap_foreign, line=state.line
     )
 
 
@@ -402,7 +359,7 @@ def check(implementation: Implementation = "auto", *, wrap_foreign: bool = False
         if _installed is not None:
             return
         state = _checked(True, wrap_foreign, queue_class, name, None)
-        _originals(state.pool_class, wrap_foreign)
+        _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
         _holders(state.original)
 
 
