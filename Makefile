@@ -6,11 +6,12 @@
 #   make lint             ruff, mypy, cython-lint (the lint extra), in .venv-lint-<python>
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
+#   make bench-engine     a live vLLM engine's throughput per queue (bench/throughput.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
 #                         (VLLM=0.31.0 or VLLM=0.31: another line of src/kvqueue/_vllm_lines.py)
 #   make vllm-matrix      make vllm-tests for every line of that table (VLLM_MATRIX=--ci: CI's)
 #   make demo             a double free in a live vLLM engine: vLLM alone, kvqueue raise, repair
-#                         (VLLM=0.31.0: on that vLLM line)
+#                         (VLLM=0.31.0: on that vLLM line; examples/demo.py)
 #   make memcheck         the compiled twin under AddressSanitizer and valgrind
 #   make py314            the wheel and the suite on Debian unstable's CPython 3.14 (root)
 #   make clean
@@ -39,7 +40,7 @@ PIP := -m pip install -q
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
-.PHONY: test bench bench-scheduler demo lint memcheck py314 vllm-tests vllm-matrix clean
+.PHONY: test bench bench-scheduler bench-engine demo lint memcheck py314 vllm-tests vllm-matrix clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv --clear $(VENV)
@@ -69,19 +70,29 @@ test: $(VENV)/.ready
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(LINT_VENV)/.ready
-	$(LINT_PY) -m ruff check src tests bench .ci
-	$(LINT_PY) -m ruff format --check src tests bench .ci
+	$(LINT_PY) -m ruff check src tests bench examples .ci
+	$(LINT_PY) -m ruff format --check src tests bench examples .ci
 	$(LINT_PY) -m mypy
 	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx src/kvqueue/_screen.pyx
 
+# What bench/ takes from vllm_tests/ (sdist: the pin and the fetcher; live: the live engine) it
+# imports by this path, which the benchmark's spawned processes inherit.
+WITH_VLLM_TESTS := PYTHONPATH=$(CURDIR)/vllm_tests
+
 bench: $(BENCH_VENV)/.ready
-	$(BENCH_PY) bench/run.py $(BENCH_ARGS)
+	$(WITH_VLLM_TESTS) $(BENCH_PY) bench/run.py $(BENCH_ARGS)
 
 # vLLM's own Scheduler on the CPU: vLLM's queue, each twin with the pool guard off and on.
 bench-scheduler:
 	@echo "bench-scheduler: vLLM $(VLLM_VERSION) on $(PYTHON311)"
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
 	    && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
+
+# A live vLLM engine (vllm_tests/live/) serving rounds of requests, per queue: a table of
+# medians (BENCH_ARGS="--repeats 1": one run each).
+bench-engine:
+	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
+	    && $(WITH_VLLM_TESTS) "$$venv/bin/python" bench/throughput.py $(BENCH_ARGS)
 
 # vLLM's own tests three ways: its queue, kvqueue's twins, then kvqueue's tests against the
 # real vLLM (vllm_tests/run.py; VLLM_TESTS_ARGS=--quick: three suites). An older line
@@ -107,7 +118,7 @@ vllm-matrix:
 # block in a full pool's free list). VLLM=0.31.0: that release's Python code laid over the
 # venv's vLLM (vllm_tests/lines.py); any line of src/kvqueue/_vllm_lines.py.
 demo:
-	$(PYTHON311) vllm_tests/live/demo.py $(if $(VLLM),--vllm $(VLLM)) $(DEMO_ARGS)
+	$(PYTHON311) examples/demo.py $(if $(VLLM),--vllm $(VLLM)) $(DEMO_ARGS)
 
 # MEMCHECK_ARGS=--full: the whole suite under both tools.
 memcheck: $(VENV)/.ready

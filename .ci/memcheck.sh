@@ -51,11 +51,11 @@ section() { printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 # The fuzz programs as the suite runs them, fewer operations under valgrind.
 fuzz_runs() {  # $1: operations per program
     for twin in c py; do
-        echo "isolated/fuzz_chaos.py $twin 0 $1"
-        echo "isolated/fuzz_reentrant.py $twin 0 $1"
-        echo "isolated/fuzz_guard.py $twin 0 $1"
+        echo "isolated.fuzz_chaos $twin 0 $1"
+        echo "isolated.fuzz_reentrant $twin 0 $1"
+        echo "isolated.fuzz_guard $twin 0 $1"
     done
-    echo "isolated/fuzz_diff.py c 0 $1"
+    echo "isolated.fuzz_diff c 0 $1"
 }
 
 section "AddressSanitizer build"
@@ -74,7 +74,7 @@ section "fuzz programs under LeakSanitizer"
 while read -r program args; do
     # Leaks fail no run here (the interpreter has its own at exit): the report
     # sorts them. Any other finding is in the log too.
-    (cd tests && asan detect_leaks=1:exitcode=0 "../$PY" "$program" $args >/dev/null)
+    (cd tests && asan detect_leaks=1:exitcode=0 "../$PY" -m "$program" $args >/dev/null)
 done < <(fuzz_runs $((full ? 20000 : 3000)))
 
 section "valgrind memcheck"
@@ -86,7 +86,7 @@ vg() {  # subprocesses (the hostile cases) are followed too
         --num-callers=40 --log-file="$logs/valgrind.%p.log" "$@"
 }
 while read -r program args; do
-    (cd tests && vg "../$PY" "$program" $args >/dev/null)
+    (cd tests && vg "../$PY" -m "$program" $args >/dev/null)
 done < <(fuzz_runs $((full ? 3000 : 400)))
 if ((full)); then
     vg "$PY" -m pytest -q -p no:cacheprovider tests

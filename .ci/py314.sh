@@ -108,5 +108,6 @@ in_sid --cd "$W/suite" "$VENV/bin/python" -m pytest -p no:cacheprovider tests ${
 log "benchmark, quick mode, on CPython 3.14"
 cp -r "$ROOT/bench" "$WORK/bench" && rm -rf "$WORK/bench/results"
 mkdir -p "$WORK/vllm_tests" && cp "$ROOT/vllm_tests/sdist.py" "$ROOT/vllm_tests/vllm.env" "$WORK/vllm_tests/"
-in_sid --cd "$W" "$VENV/bin/python" bench/run.py --quick --out "$W/bench-quick.json"
+in_sid --cd "$W" /usr/bin/env PYTHONPATH="$W/vllm_tests" \
+    "$VENV/bin/python" bench/run.py --quick --out "$W/bench-quick.json"
 log "done"

@@ -27,12 +27,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import sdist  # vllm_tests/sdist.py (the Makefile's PYTHONPATH): the cache root, pin, download
+
 from kvqueue import KVCacheBlock
 from kvqueue._vllm_lines import LINES
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPOSITORY / "vllm_tests"))
-import sdist  # noqa: E402  (vllm_tests/sdist.py: the cache root, the pin, the download)
 
 QUEUE_FILE = "vllm/v1/core/kv_cache_utils.py"
 
@@ -193,6 +193,8 @@ def _baseline_module(rev: str, name: str) -> str:
         subprocess.run(
             [*cythonize, f"{BASE}/_queue.pyx"], cwd=root, stdout=subprocess.DEVNULL, check=True
         )
+    # Built at run time, installed nowhere: its directory goes on the path so that its modules
+    # import one another (``from kvqueue_base import ...``) as the installed kvqueue's do.
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     return f"{BASE}.{name}"

@@ -7,9 +7,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from twins import TWINS, twin
 
 from kvqueue import _log
+
+from support.twins import TWINS, twin
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -12,9 +12,10 @@ from types import FrameType, ModuleType
 from typing import Any
 
 import pytest
-from fuzz_common import well_formed
 
 from kvqueue import KVCacheBlock
+
+from support.fuzz_common import well_formed
 
 
 class Injected(BaseException):

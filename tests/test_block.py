@@ -6,10 +6,11 @@ import pickle
 import weakref
 
 import pytest
-from blocks import SubBlock
 
 from kvqueue import KVCacheBlock
 from kvqueue._vllm_lines import LINES
+
+from support.blocks import SubBlock
 
 FIELDS = LINES[-1].block_fields
 

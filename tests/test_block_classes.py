@@ -9,10 +9,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import check_queue, snapshot
-from twins import both
 
 from kvqueue import KVCacheBlock
+
+from support.helpers import check_queue, snapshot
+from support.twins import both
 
 
 class ShadowsPrev(KVCacheBlock):

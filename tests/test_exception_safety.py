@@ -17,10 +17,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import VllmStyleBlock
-from helpers import check_queue, snapshot
 
 from kvqueue import KVCacheBlock
+
+from support.blocks import VllmStyleBlock
+from support.helpers import check_queue, snapshot
 
 SEEDS = range(12)
 

@@ -17,11 +17,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import VllmStyleBlock
-from fuzz_common import well_formed
-from helpers import check_queue, snapshot
 
 from kvqueue import KVCacheBlock
+
+from support.blocks import VllmStyleBlock
+from support.fuzz_common import well_formed
+from support.helpers import check_queue, snapshot
 
 POLICIES = ("raise", "repair")
 

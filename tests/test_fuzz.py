@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ISOLATED = Path(__file__).parent / "isolated"
+from support.helpers import run_isolated
+
 LONG = os.environ.get("KVQUEUE_CI_FUZZ_LONG", "") not in ("", "0")
 FIRST_SEED = int(os.environ.get("KVQUEUE_CI_FUZZ_SEED", "0"))
 SEEDS = range(FIRST_SEED, FIRST_SEED + (25 if LONG else 3))
@@ -46,16 +45,9 @@ CASES = [
 
 
 def run_program(program: str, twin: str, seed: int, ops: int) -> dict[str, int]:
-    """Run one fuzz program in a fresh ``python -X dev -W error``; its counters."""
-    command = [sys.executable, "-X", "dev", "-W", "error", str(ISOLATED / f"{program}.py")]
+    """Run one fuzz program in a fresh interpreter; its counters."""
     try:
-        done = subprocess.run(
-            [*command, twin, str(seed), str(ops)],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=False,
-        )
+        done = run_isolated(program, twin, str(seed), str(ops), timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{program} {twin} seed {seed} hung (> {TIMEOUT} s)")
     assert done.returncode == 0, (

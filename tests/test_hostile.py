@@ -5,8 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 
 import pytest
-from helpers import run_isolated
-from hostile_cases import CASES
+
+from isolated.hostile_cases import CASES
+from support.helpers import run_isolated
 
 
 @pytest.mark.parametrize("case", CASES)

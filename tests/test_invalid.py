@@ -7,9 +7,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from invalid_ops import CASES, outcome
 
 from kvqueue import KVCacheBlock
+
+from support.invalid_ops import CASES, outcome
 
 
 @pytest.mark.parametrize("name", list(CASES))

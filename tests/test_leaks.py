@@ -24,9 +24,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import SubBlock, VllmStyleBlock
 
 from kvqueue import KVCacheBlock
+
+from support.blocks import SubBlock, VllmStyleBlock
 
 LONG = os.environ.get("KVQUEUE_CI_FUZZ_LONG", "") not in ("", "0")
 

@@ -11,7 +11,8 @@ import random
 from types import ModuleType
 
 import pytest
-from model import Program
+
+from support.mirror import Program
 
 OPERATIONS = 20_000
 

@@ -14,12 +14,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from fuzz_common import detached, well_formed
-from helpers import check_queue, snapshot
-from invalid_ops import CASES, Repair, with_policy
-from twins import both, twin
 
 from kvqueue import KVCacheBlock
+
+from support.fuzz_common import detached, well_formed
+from support.helpers import check_queue, snapshot
+from support.invalid_ops import CASES, Repair, with_policy
+from support.twins import both, twin
 
 ENV = "KVQUEUE_ON_MISUSE"
 POLICIES = ("raise", "repair")

@@ -14,8 +14,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import VllmStyleBlock
-from fake_pool import (
+
+from kvqueue import KVCacheBlock, _pool_guard
+from kvqueue._vllm_lines import LINES, Line, VLLMLayoutError
+
+from isolated.guard_cases import CASES as ISOLATED_CASES
+from support.blocks import VllmStyleBlock
+from support.fake_pool import (
     block_class,
     consistent,
     guarded,
@@ -26,11 +31,7 @@ from fake_pool import (
     screen_of,
     state,
 )
-from guard_cases import CASES as ISOLATED_CASES
-from helpers import run_isolated
-
-from kvqueue import KVCacheBlock, _pool_guard
-from kvqueue._vllm_lines import LINES, Line, VLLMLayoutError
+from support.helpers import run_isolated
 
 LINE_IDS = [each.name for each in LINES]
 NEWEST = LINES[-1]

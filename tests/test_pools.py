@@ -9,11 +9,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import BLOCK_CLASSES
-from fuzz_common import detached, well_formed
-from helpers import check_queue, snapshot
 
 from kvqueue import KVCacheBlock
+
+from support.blocks import BLOCK_CLASSES
+from support.fuzz_common import detached, well_formed
+from support.helpers import check_queue, snapshot
 
 POLICIES = ("raise", "repair")
 NONE_REPAIRED = dict.fromkeys(("duplicate", "linked", "sentinel", "not_linked", "other_pool"), 0)

@@ -12,12 +12,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import BLOCK_CLASSES, SubBlock
-from fuzz_common import outcome
-from helpers import check_queue, snapshot
-from twins import both
 
 from kvqueue import KVCacheBlock
+
+from support.blocks import BLOCK_CLASSES, SubBlock
+from support.fuzz_common import outcome
+from support.helpers import check_queue, snapshot
+from support.twins import both
 
 
 @pytest.fixture(params=BLOCK_CLASSES, ids=lambda cls: cls.__name__)

@@ -17,9 +17,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from model import Mirror, Program
 
 from kvqueue import KVCacheBlock
+
+from support.mirror import Mirror, Program
 
 OPERATIONS = 20_000
 

@@ -8,10 +8,11 @@ from types import ModuleType
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from model import Mirror
-from oracle import Oracle
 
 from kvqueue import KVCacheBlock
+
+from support.mirror import Mirror
+from support.oracle import Oracle
 
 POOL = 12
 

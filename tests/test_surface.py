@@ -19,10 +19,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import twins as support
-from helpers import check_queue, snapshot
 
 from kvqueue import KVCacheBlock
+
+from support.helpers import check_queue, snapshot
+from support.twins import both as both_twins
 
 # The tests that compare the two twins side by side need the compiled one.
 both = pytest.mark.c_extension
@@ -30,7 +31,7 @@ both = pytest.mark.c_extension
 
 @pytest.fixture(scope="module")
 def twins() -> tuple[type, type]:
-    compiled_mod, pure_mod = support.both()
+    compiled_mod, pure_mod = both_twins()
     return compiled_mod.FreeKVCacheBlockQueue, pure_mod.FreeKVCacheBlockQueue
 
 

@@ -11,12 +11,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from blocks import VllmStyleBlock
 
 import kvqueue
 import kvqueue.vllm as kv_vllm
 from kvqueue import _env
 from kvqueue._vllm_lines import LINES, Line
+
+from support.blocks import VllmStyleBlock
 
 UTILS = "vllm.v1.core.kv_cache_utils"
 POOL = "vllm.v1.core.block_pool"

@@ -27,15 +27,12 @@ __all__ = (
 
 T = TypeVar("T")
 
-#: Selects the pure twin at import and builds a pure wheel at install.
+# The variables' names; what each does is written once, in MEANINGS. setup.py reads PURE too
+# (KVQUEUE_PURE=1 builds a pure wheel).
 PURE = "KVQUEUE_PURE"
-#: The misuse policy of a queue built with ``on_misuse=None``.
 MISUSE_POLICY = "KVQUEUE_ON_MISUSE"
-#: Turns the vLLM plugin on, and names the twin it installs (kvqueue.vllm).
 VLLM = "KVQUEUE_VLLM"
-#: ``0`` leaves vLLM's BlockPool unguarded when the plugin installs.
 POOL_GUARD = "KVQUEUE_POOL_GUARD"
-#: ``1``: the plugin installs over another project's patch of vLLM.
 WRAP_FOREIGN = "KVQUEUE_WRAP_FOREIGN"
 
 #: Every variable a user sets, in the order ``python -m kvqueue`` and the README list them,

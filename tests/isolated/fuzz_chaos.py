@@ -21,14 +21,10 @@ On the compiled twin it also checks exception safety on these invalid
 states: a call that raises, while no hook of the program ran during it,
 leaves every link and count it can see exactly as it was.
 
-Usage: python fuzz_chaos.py TWIN SEED OPS
+Usage: python -m isolated.fuzz_chaos TWIN SEED OPS
 """
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import copy
 import gc
@@ -40,11 +36,11 @@ from contextlib import suppress
 from itertools import islice
 from typing import Any
 
-from blocks import VllmStyleBlock
-from fuzz_common import Stats, main, well_formed
-from twins import twin
-
 from kvqueue import KVCacheBlock, _log
+
+from support.blocks import VllmStyleBlock
+from support.fuzz_common import Stats, main, well_formed
+from support.twins import twin
 
 LINKS = ("prev_free_block", "next_free_block")
 MISSING = object()

@@ -9,14 +9,10 @@ cursors across all of it (a cursor follows a block into the other queue, where
 it ends on that queue's tail sentinel), and pass an ``__index__`` and iterables
 that call the queue while they are being consumed.
 
-Usage: python fuzz_diff.py TWIN SEED OPS (TWIN is ignored: both twins run).
+Usage: python -m isolated.fuzz_diff TWIN SEED OPS (TWIN is ignored: both twins run).
 """
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import gc
 import random
@@ -25,11 +21,11 @@ from itertools import islice
 from typing import Any
 from weakref import WeakValueDictionary
 
-from fuzz_common import Outcome, Stats, detached, ids, main, outcome, well_formed
-from oracle import Oracle
-from twins import twin
-
 from kvqueue import KVCacheBlock
+
+from support.fuzz_common import Outcome, Stats, detached, ids, main, outcome, well_formed
+from support.oracle import Oracle
+from support.twins import twin
 
 NAMES = ("a", "b")
 Op = tuple[Any, ...]

@@ -11,14 +11,10 @@ and counted right; no block is handed out while held; under ``raise`` a refused 
 changes nothing; under ``repair`` a misuse is repaired, not raised (a count that is no
 integer, or links broken outside the queue, raise under both).
 
-Usage: python fuzz_guard.py TWIN SEED OPS
+Usage: python -m isolated.fuzz_guard TWIN SEED OPS
 """
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import gc
 import importlib
@@ -27,12 +23,12 @@ import random
 import threading
 from typing import Any
 
-from fake_pool import guarded, make_pool, screen_of, state
-from fuzz_common import Stats, main, well_formed
-from twins import twin
-
 from kvqueue import _pool_guard
 from kvqueue._vllm_lines import LINES
+
+from support.fake_pool import guarded, make_pool, screen_of, state
+from support.fuzz_common import Stats, main, well_formed
+from support.twins import twin
 
 RNG = random.Random()
 COUNTS = {

@@ -5,23 +5,19 @@ Python's own slot writes lock the block; the compiled queue reads and writes
 the slots directly. Under a GIL the two cannot interleave inside a call; with
 the GIL off they can, and a link released twice frees a block still in use.
 
-Usage: python fuzz_race.py TWIN SEED OPS (OPS: link/pop rounds)
+Usage: python -m isolated.fuzz_race TWIN SEED OPS (OPS: link/pop rounds)
 """
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import threading
 from contextlib import suppress
 from typing import Any
 
-from fuzz_common import Stats, main
-from twins import twin
-
 from kvqueue import KVCacheBlock
+
+from support.fuzz_common import Stats, main
+from support.twins import twin
 
 
 def _scribble(queue: Any, stop: threading.Event) -> None:

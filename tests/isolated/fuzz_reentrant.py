@@ -12,14 +12,10 @@ its queues must be well formed after every call (an exception is fine: a
 finalizer may have taken the block a call was about to use). The pure twin can
 be re-entered anywhere, like vLLM's own queue: it must only not crash.
 
-Usage: python fuzz_reentrant.py TWIN SEED OPS
+Usage: python -m isolated.fuzz_reentrant TWIN SEED OPS
 """
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import gc
 import random
@@ -27,10 +23,10 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
-from fuzz_common import Stats, main, well_formed
-from twins import twin
-
 from kvqueue import KVCacheBlock
+
+from support.fuzz_common import Stats, main, well_formed
+from support.twins import twin
 
 QUEUES: list[Any] = []  # the live queues the program and the finalizers use
 TARGET: list[Any] = [None]  # the queue the program is calling: finalizers favour it

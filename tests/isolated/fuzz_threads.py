@@ -7,14 +7,10 @@ directly, with no lock. Exceptions (and wrong answers) are expected; a crash
 is not. On a free-threaded CPython this is the test of whether the compiled
 twin may declare itself free-threading compatible.
 
-Usage: python fuzz_threads.py TWIN SEED OPS (OPS per thread)
+Usage: python -m isolated.fuzz_threads TWIN SEED OPS (OPS per thread)
 """
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import random
 import sys
@@ -22,10 +18,10 @@ import threading
 from itertools import islice
 from typing import Any
 
-from fuzz_common import Stats, main
-from twins import twin
-
 from kvqueue import KVCacheBlock
+
+from support.fuzz_common import Stats, main
+from support.twins import twin
 
 THREADS = 4
 

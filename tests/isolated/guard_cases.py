@@ -1,21 +1,19 @@
 """Pool-guard programs that crashed or hung once, each a function of the twin's module
-name, run by test_pool_guard.py in its own process (a crash or a hang fails one test)."""
+name, run by test_pool_guard.py in its own process (``python -m isolated.guard_cases CASE
+TWIN``: a crash or a hang fails one test)."""
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import faulthandler
 import importlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from fake_pool import consistent, guarded, make_pool, screen_of
-
 from kvqueue._vllm_lines import LINES
+
+from support.fake_pool import consistent, guarded, make_pool, screen_of
 
 NEWEST = LINES[-1]
 
@@ -134,3 +132,7 @@ CASES = (
     "held_block_with_a_cleared_link",
     "finalizer_frees_during_a_repair",
 )
+
+if __name__ == "__main__":
+    case, twin = sys.argv[1:]
+    globals()[case](twin)

@@ -1,25 +1,23 @@
 """Hostile programs that crashed or corrupted the compiled twin once, kept as
 regression cases. Each is a function of the twin's module name, run by
-test_hostile.py in its own process (a crash must fail one test, not the run).
+test_hostile.py in its own process (``python -m isolated.hostile_cases CASE TWIN``: a
+crash must fail one test, not the run).
 """
 
 from __future__ import annotations
-
-import support_path  # noqa: F401  (this program runs as a script)
-
-# isort: split
 
 import faulthandler
 import gc
 import importlib
 import logging
+import sys
 from contextlib import suppress
 from types import ModuleType
 from typing import Any
 
-from fuzz_common import well_formed
-
 from kvqueue import KVCacheBlock
+
+from support.fuzz_common import well_formed
 
 
 class _PopOnCollect:
@@ -257,3 +255,7 @@ CASES = (
     "dying_cursor_block_advances_the_cursor",
     "repair_at_a_forgotten_end",
 )
+
+if __name__ == "__main__":
+    case, twin = sys.argv[1:]
+    globals()[case](twin)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from blocks import VllmStyleBlock
-
 from kvqueue import _pool_guard
 from kvqueue._vllm_lines import LINES, Line
+
+from support.blocks import VllmStyleBlock
 
 SCREENS = {"kvqueue._queue": "kvqueue._screen", "kvqueue._queue_py": "kvqueue._screen_py"}
 

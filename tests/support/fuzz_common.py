@@ -1,8 +1,8 @@
 """What the fuzz programs share: the entry point, outcomes, and link checks.
 
-A fuzz program is a script (``python fuzz_X.py TWIN SEED OPS``) so that a
-crash kills its own process and fails one test, not the test run. It prints
-one JSON line of counters on success.
+A fuzz program runs in its own interpreter (``python -m isolated.fuzz_X TWIN SEED OPS``,
+``helpers.run_isolated``) so that a crash kills its own process and fails one test, not
+the test run. It prints one JSON line of counters on success.
 """
 
 from __future__ import annotations

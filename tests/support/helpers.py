@@ -1,7 +1,8 @@
-"""State checks shared by the behavioural, model and fuzz tests."""
+"""State checks shared by the behavioural, model and fuzz tests; the runner of tests/isolated."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -49,18 +50,21 @@ def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) 
             assert block.next_free_block is None, block
 
 
-ISOLATED = Path(__file__).resolve().parent.parent / "isolated"
+TESTS = Path(__file__).resolve().parent.parent
 
 
-def run_isolated(module: str, case: str, twin: str) -> subprocess.CompletedProcess[str]:
-    """``module.case(twin)`` of tests/isolated/ in a fresh interpreter (dev mode, warnings
-    as errors): what may crash or hang is run where it cannot take the suite with it."""
-    code = f"import {module}; {module}.{case}({twin!r})"
+def run_isolated(
+    program: str, *args: str, flags: Sequence[str] = (), timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python -X dev -W error FLAGS -m isolated.PROGRAM ARGS`` in a fresh interpreter that
+    imports the suite's modules as pytest does (tests/ first on ``PYTHONPATH``): what may
+    crash or hang is run where it cannot take the suite with it."""
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-X", "dev", "-W", "error", "-c", code],
-        cwd=ISOLATED,
+        [sys.executable, "-X", "dev", "-W", "error", *flags, "-m", f"isolated.{program}", *args],
+        env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )

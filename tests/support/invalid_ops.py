@@ -14,10 +14,10 @@ from functools import partial
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from blocks import VllmStyleBlock
-from helpers import snapshot
-
 from kvqueue import KVCacheBlock
+
+from support.blocks import VllmStyleBlock
+from support.helpers import snapshot
 
 Setup = Callable[[ModuleType], tuple[Any, list[Any], Callable[[], object]]]
 

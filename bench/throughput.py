@@ -1,14 +1,14 @@
 """The live engine's throughput three ways in one run: vLLM's queue, kvqueue's compiled twin, its
 pure twin. Prints a table; asserts nothing about speed.
 
-``python vllm_tests/live/throughput.py`` in the vLLM venv (``bash vllm_tests/venv.sh`` prints
-it). Each engine is ``vllm.LLM`` with the stub model and vLLM's own scheduler (``--plain``: no
-pool checks in the step), serving ``--rounds`` rounds of ``--requests`` requests; only the
-rounds after the first are timed (the first warms the engine's code paths; the start is not
-timed either). The three engines run one after another, ``--repeats``
-times in turn, and the table gives each one's median. The stub model costs next to nothing, so
-the step is almost all vLLM's scheduling and bookkeeping: the queue's share is as large as it
-can be in an engine.
+``make bench-engine`` (``BENCH_ARGS=--repeats 1``: the options below) runs it in the vLLM venv with
+``vllm_tests`` on ``PYTHONPATH``, for the live engine's package ``live``. Each engine is
+``vllm.LLM`` with the stub model and vLLM's own scheduler (``--plain``: no pool checks in the
+step), serving ``--rounds`` rounds of ``--requests`` requests; only the rounds after the first are
+timed (the first warms the engine's code paths; the start is not timed either). The three engines
+run one after another, ``--repeats`` times in turn, and the table gives each one's median. The stub
+model costs next to nothing, so the step is almost all vLLM's scheduling and bookkeeping: the
+queue's share is as large as it can be in an engine.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from live import driver
 

@@ -1,10 +1,11 @@
 """What kvqueue is for, on any machine: a double free injected into a live vLLM engine on the CPU,
 side by side with vLLM alone, kvqueue under ``raise``, kvqueue under ``repair``.
 
-``python vllm_tests/live/demo.py [--form A|B|C] [--vllm 0.31.0]``, from any Python 3: it builds
+``python examples/demo.py [--form A|B|C] [--vllm 0.31.0]``, from any Python 3: it builds
 or reuses the CPU vLLM venv (``vllm_tests/venv.sh``: once, several minutes; this checkout's
-kvqueue is installed there), runs itself again with that venv's python (``--vllm``: with that
-release's Python code first on ``PYTHONPATH``, ``vllm_tests/lines.py``), then starts
+kvqueue is installed there), runs itself again with that venv's python (``vllm_tests`` on
+``PYTHONPATH`` for the live engine's package ``live``; ``--vllm``: that release's Python code
+after it, ``vllm_tests/lines.py``), then starts
 ``vllm.LLM`` three times with the stub model (``vllm_tests/live/``: engine core in its own
 process, a KV cache on the CPU), each serving three rounds of 20 requests while one double
 free is injected inside the engine core:
@@ -34,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_TESTS = ROOT / "vllm_tests"
 #: Set when the demo runs itself again inside the vLLM venv.
 IN_VENV = "_KVQUEUE_DEMO_IN_VENV"
 #: The screen: a 100-column terminal.
@@ -59,7 +60,7 @@ def enter_venv(release: str | None) -> None:
     built = with_progress(
         "vllm_tests/venv.sh",
         lambda: subprocess.run(
-            ["bash", str(ROOT / "vllm_tests" / "venv.sh")],
+            ["bash", str(VLLM_TESTS / "venv.sh")],
             stdout=subprocess.PIPE,
             text=True,
             check=True,
@@ -68,19 +69,20 @@ def enter_venv(release: str | None) -> None:
     venv = built.stdout.strip()
     python = str(Path(venv) / "bin" / "python")
     env = {**os.environ, IN_VENV: "1"}
+    path = [str(VLLM_TESTS)]
     if release is not None:
         # The venv's python decides which of the line's requirements it lacks.
         line = with_progress(
             f"vLLM {release}'s Python code (vllm_tests/lines.py)",
             lambda: subprocess.run(
-                [python, str(HERE.parent / "lines.py"), release],
+                [python, str(VLLM_TESTS / "lines.py"), release],
                 stdout=subprocess.PIPE,
                 text=True,
                 check=True,
             ),
         ).stdout.strip()
-        if line:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [line, env.get("PYTHONPATH")]))
+        path.append(line)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*path, env.get("PYTHONPATH")]))
     print(f"kvqueue demo: using {venv}", flush=True)
     os.execve(python, [python, __file__, *sys.argv[1:]], env)
 
@@ -239,12 +241,11 @@ def main() -> int:
     args = parser.parse_args()
     if not os.environ.get(IN_VENV):
         enter_venv(args.vllm)
-    sys.path.insert(0, str(HERE.parent))
     import vllm
+    from live import driver
 
     import kvqueue
     import kvqueue.vllm
-    from live import driver
 
     if args.vllm is not None and vllm.__version__.split("+")[0] != args.vllm:
         print(f"kvqueue demo: vLLM {vllm.__version__} imported, not {args.vllm}", file=sys.stderr)

@@ -11,10 +11,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import check_queue, snapshot
-from oracle import Oracle
 
 from kvqueue import KVCacheBlock
+
+from support.helpers import check_queue, snapshot
+from support.oracle import Oracle
 
 POOL = 32
 
