@@ -98,9 +98,14 @@ def check(pool: Any) -> None:
 def run(name: str, seed: int, ops: int) -> Stats:
     RNG.seed(seed)
     mod = twin(name)
-    other = importlib.import_module(
-        "kvqueue._screen_py" if mod.__name__ == "kvqueue._queue" else "kvqueue._screen"
-    )
+    # Each queue twin meets the other screen twin too; an install without the compiled
+    # twin (KVQUEUE_PURE=1, no compiler) has the pure screen only.
+    try:
+        other = importlib.import_module(
+            "kvqueue._screen_py" if mod.__name__ == "kvqueue._queue" else "kvqueue._screen"
+        )
+    except ModuleNotFoundError:
+        other = importlib.import_module("kvqueue._screen_py")
     of = RNG.choice(LINES)
     COUNTS["line"] = LINES.index(of)
     logger = logging.getLogger("kvqueue")
