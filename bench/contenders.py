@@ -6,8 +6,9 @@ the pin's there), else from its sdist (the one ``make vllm-tests`` takes its tes
 vllm_tests/sdist.py): both hold the same file, and nothing of vLLM is committed here. The file
 is extracted once under ``<cache root>/vllm-<version>-src/`` and the class exec'd alone.
 ``pure@REV`` / ``cython@REV`` are the twins at git revision REV: ``src/kvqueue`` there,
-renamed ``kvqueue_base`` and compiled in place under ``<cache root>/baseline/<commit>`` with
-the benchmark's own Cython (another would time two Cython releases as well as two kvqueues).
+renamed ``kvqueue_base``, its queue and the guard's screens compiled in place under
+``<cache root>/baseline/<commit>`` with the benchmark's own Cython (another would time two
+Cython releases as well as two kvqueues); screens.py takes the screens from there too.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def load(name: str) -> type:
         return deque
     twin, at, rev = name.partition("@")
     if twin in TWINS:
-        module = _baseline_module(rev, TWINS[twin]) if at else f"kvqueue.{TWINS[twin]}"
+        module = baseline_module(rev, TWINS[twin]) if at else f"kvqueue.{TWINS[twin]}"
         try:
             queue_class: type = importlib.import_module(module).FreeKVCacheBlockQueue
         except ImportError as exc:
@@ -175,12 +176,17 @@ def _extract(commit: str, root: Path) -> None:
         path.write_text(_C_NAMES.sub("KvqBaseQueue", text), encoding="utf-8")
 
 
-def _baseline_module(rev: str, name: str) -> str:
+# The extensions a baseline builds: the queue (run.py) and the pool guard's screens (screens.py).
+COMPILED = ("_queue", "_screen")
+
+
+def baseline_module(rev: str, name: str) -> str:
     """Make ``kvqueue_base`` at ``rev`` importable (built once, about half a minute); the full
     name of its module ``name``."""
     commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
     root = sdist.cache_dir() / "baseline" / commit
-    if not (root / BASE / f"_queue{importlib.machinery.EXTENSION_SUFFIXES[0]}").is_file():
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    if not all((root / BASE / f"{m}{suffix}").is_file() for m in COMPILED):
         if not (root / BASE).is_dir():
             # Staged, then renamed: an interrupted extraction leaves no half package behind
             # (the staging directory, renamed away, is no error to clean up).
@@ -190,9 +196,8 @@ def _baseline_module(rev: str, name: str) -> str:
                 Path(tmp).rename(root)
         print(f"baseline: building kvqueue {rev} in {root} ...", file=sys.stderr)
         cythonize = [sys.executable, "-m", "Cython.Build.Cythonize", "-i", "-q", "-3"]
-        subprocess.run(
-            [*cythonize, f"{BASE}/_queue.pyx"], cwd=root, stdout=subprocess.DEVNULL, check=True
-        )
+        sources = [f"{BASE}/{m}.pyx" for m in COMPILED]
+        subprocess.run([*cythonize, *sources], cwd=root, stdout=subprocess.DEVNULL, check=True)
     # Built at run time, installed nowhere: its directory goes on the path so that its modules
     # import one another (``from kvqueue_base import ...``) as the installed kvqueue's do.
     if str(root) not in sys.path:

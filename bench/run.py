@@ -112,7 +112,9 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 # -- the parent
 
 
-def bench(quick: bool, baseline: str | None, lines: bool, clock: str) -> dict[str, Any]:
+def bench(
+    quick: bool, baseline: str | None, lines: bool, clock: str, only: list[str] | None = None
+) -> dict[str, Any]:
     processes, samples, sample_ms = QUICK if quick else FULL
     wanted = contenders.EVERY_LINE if lines else contenders.QUICK if quick else contenders.ALL
     if baseline:
@@ -141,6 +143,10 @@ def bench(quick: bool, baseline: str | None, lines: bool, clock: str) -> dict[st
         selected = [every[key] for key in LINE_CASES]
     else:
         selected = cases.all_cases(quick)
+    if only:
+        selected = [case for case in selected if any(part in case.key for part in only)]
+        if not selected:
+            raise SystemExit(f"--case {' '.join(only)}: no case's key holds it")
     rng = random.Random(0)
     jobs = []
     for round_ in range(processes):
@@ -411,10 +417,17 @@ def main() -> None:
     parser.add_argument(
         "--cpu-time", action="store_true", help="time by the thread's CPU time, not the wall clock"
     )
+    parser.add_argument(
+        "--case",
+        action="append",
+        metavar="TEXT",
+        help="only the cases whose key (e.g. 'popleft + append @2048') holds TEXT; repeatable",
+    )
     args = parser.parse_args()
     if args.lines and (args.quick or args.baseline):
         parser.error("--lines takes neither --quick nor --baseline")
-    results = bench(args.quick, args.baseline, args.lines, "cpu" if args.cpu_time else "wall")
+    clock = "cpu" if args.cpu_time else "wall"
+    results = bench(args.quick, args.baseline, args.lines, clock, args.case)
     kind = "lines" if args.lines else "quick" if args.quick else "full"
     publish(results, launch.save(results, args.out, kind))
 

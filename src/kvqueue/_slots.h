@@ -78,7 +78,9 @@ static inline Py_ssize_t kvq_exact_ssize(PyObject *o)
 }
 
 /* Cython's C method table, which no other module cimports from this
-   final type: hidden so that help() and dir() match the pure twin's. */
+   final type: hidden so that help() and dir() match the pure twin's (help()
+   would list `__pyx_vtable__ = <capsule object NULL>`, which
+   tests/test_surface.py's help test refuses). */
 static int kvq_hide_vtable(PyTypeObject *tp)
 {
     if (PyDict_DelItemString(tp->tp_dict, "__pyx_vtable__") < 0) return -1;
