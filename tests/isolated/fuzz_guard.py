@@ -20,7 +20,9 @@ import gc
 import importlib
 import logging
 import random
+import sys
 import threading
+import time
 from typing import Any
 
 from kvqueue import _pool_guard
@@ -41,6 +43,10 @@ COUNTS = {
     "shortfalls": 0,
 }
 POOLS: list[Any] = []
+# Held by the switching thread whenever it allocates (and so may run the collector, and with
+# it a finalizer that frees blocks), and by check(): a free run on that thread mid-check
+# would make a sound list look miscounted.
+SWITCHING = threading.Lock()
 
 
 class Hostile(logging.Filter):
@@ -82,17 +88,18 @@ class Freer:
 
 def check(pool: Any) -> None:
     queue = pool.free_block_queue
-    reason = well_formed(queue)
-    assert reason is None, reason
-    # With the collector off: a finalizer may free a block between the two reads.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        free = queue.get_all_free_blocks()
-        assert queue.num_free_blocks == len(free), (queue.num_free_blocks, len(free))
-    finally:
-        if enabled:
-            gc.enable()
+    with SWITCHING:
+        reason = well_formed(queue)
+        assert reason is None, reason
+        # With the collector off: a finalizer may free a block between the two reads.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            free = queue.get_all_free_blocks()
+            assert queue.num_free_blocks == len(free), (queue.num_free_blocks, len(free))
+        finally:
+            if enabled:
+                gc.enable()
 
 
 def run(name: str, seed: int, ops: int) -> Stats:
@@ -131,12 +138,15 @@ def run(name: str, seed: int, ops: int) -> Stats:
             screens = [screen_of(mod), other]
             choose = random.Random(seed)
             while not stop.is_set():
-                _pool_guard.guard(
-                    cls, choose.choice(screens), _policy_of, wrap_foreign=False, line=of
-                )
-                COUNTS["switches"] += 1
-                stop.wait(0.001)
+                with SWITCHING:
+                    _pool_guard.guard(
+                        cls, choose.choice(screens), _policy_of, wrap_foreign=False, line=of
+                    )
+                    COUNTS["switches"] += 1
+                time.sleep(0.001)  # allocates nothing the collector counts
 
+        # Threads take turns often, so that switches land inside calls.
+        sys.setswitchinterval(1e-5)
         switcher = threading.Thread(target=switch)
         switcher.start()
         try:
