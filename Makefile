@@ -71,8 +71,8 @@ test: $(VENV)/.ready
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(LINT_VENV)/.ready
-	$(LINT_PY) -m ruff check src tests bench examples .ci
-	$(LINT_PY) -m ruff format --check src tests bench examples .ci
+	$(LINT_PY) -m ruff check src tests bench examples vllm_tests .ci
+	$(LINT_PY) -m ruff format --check src tests bench examples vllm_tests .ci
 	$(LINT_PY) -m mypy
 	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx src/kvqueue/_screen.pyx
 

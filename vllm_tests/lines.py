@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import compileall
 import hashlib
-import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import zipfile
 from importlib.metadata import PackageNotFoundError, distributions, version
 from pathlib import Path
@@ -40,7 +38,6 @@ from requirements import needed
 from kvqueue._vllm_lines import LINES, Line, accepted, find
 
 NEWEST = LINES[-1]
-_COMPLETE = ".complete"
 
 
 def line(spec: str) -> Line:
@@ -105,12 +102,8 @@ def overlay(target: Line) -> Path | None:
         Path(__file__).read_bytes() + Path(needed.__code__.co_filename).read_bytes()
     )
     marker = f"{source.name} {recipe.hexdigest()}\n"
-    complete = root / _COMPLETE
-    if complete.is_file() and complete.read_text(encoding="utf-8") == marker:
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         with zipfile.ZipFile(source) as archive:
             for name in archive.namelist():
                 if not name.endswith(".so"):
@@ -120,13 +113,8 @@ def overlay(target: Line) -> Path | None:
         # Compiled once, for python and python -O (some of vLLM's tests run a -O child with a
         # timeout), as pip compiles an installed wheel; tracebacks name the overlay's files.
         compileall.compile_dir(staging, ddir=str(root), quiet=1, optimize=[0, 1], workers=0)
-        (staging / _COMPLETE).write_text(marker, encoding="utf-8")
-        shutil.rmtree(root, ignore_errors=True)
-        staging.rename(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return root
+
+    return sdist.made_once(root, marker, fill)
 
 
 def mark_cpu(target: Line, directory: Path) -> None:

@@ -27,6 +27,7 @@ import tarfile
 import tempfile
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 PROJECT = "vllm"
@@ -111,17 +112,10 @@ def download(version: str) -> Path:
 
 def tests_root(version: str) -> Path:
     """A directory with the sdist's KEPT parts, extracted once (again when KEPT changes)."""
-    root = cache_dir() / f"vllm-{version}-tests"
-    marker = f"{' '.join(KEPT)}\n"
-    complete = root / _COMPLETE
-    if complete.is_file() and complete.read_text(encoding="utf-8") == marker:
-        return root
-    sdist = download(version)
     prefix = f"{PROJECT}-{version}/"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    try:
-        with tarfile.open(sdist) as archive:
+
+    def extract(staging: Path) -> None:
+        with tarfile.open(download(version)) as archive:
             members = []
             for member in archive.getmembers():
                 if not member.name.startswith(prefix):
@@ -131,6 +125,21 @@ def tests_root(version: str) -> Path:
                     member.name = rel
                     members.append(member)
             archive.extractall(staging, members, filter="data")
+
+    return made_once(cache_dir() / f"vllm-{version}-tests", f"{' '.join(KEPT)}\n", extract)
+
+
+def made_once(root: Path, marker: str, fill: Callable[[Path], None]) -> Path:
+    """``root``, unless it is complete and made by ``marker``'s recipe, made again by
+    ``fill`` in a staging directory beside it, then renamed: an interrupted fill leaves no
+    half-made ``root`` behind."""
+    complete = root / _COMPLETE
+    if complete.is_file() and complete.read_text(encoding="utf-8") == marker:
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    try:
+        fill(staging)
         (staging / _COMPLETE).write_text(marker, encoding="utf-8")
         shutil.rmtree(root, ignore_errors=True)
         staging.rename(root)
