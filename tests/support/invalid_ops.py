@@ -41,6 +41,12 @@ class Expected(NamedTuple):
     repair: Repair | None = None
 
 
+def _misuse(message: str, kind: str, left: tuple[int, ...], exc: type = ValueError) -> Expected:
+    """A misuse that raises ``exc(message)`` under ``"raise"``; under ``"repair"`` the
+    method the message names repairs it once, as ``kind``, and the queue holds ``left``."""
+    return Expected(exc, message, repair=Repair(message.split("(")[0], {kind: 1}, left))
+
+
 def _queue(mod: ModuleType, n: int = 3) -> tuple[Any, list[Any]]:
     blocks = [KVCacheBlock(i) for i in range(n)]
     return mod.FreeKVCacheBlockQueue(blocks), blocks
@@ -352,26 +358,29 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "remove_detached": (
         remove_detached,
-        Expected(
-            RuntimeError,
+        _misuse(
             "remove() called on an invalid block: " + _vllm_repr(0),
-            repair=Repair("remove", {"not_linked": 1}, (2, 3)),
+            "not_linked",
+            (2, 3),
+            RuntimeError,
         ),
     ),
     "remove_head": (
         remove_head,
-        Expected(
-            RuntimeError,
+        _misuse(
             "remove() called on an invalid block: " + _vllm_repr(-1, None, 0),
-            repair=Repair("remove", {"not_linked": 1}, (0,)),
+            "not_linked",
+            (0,),
+            RuntimeError,
         ),
     ),
     "remove_tail": (
         remove_tail,
-        Expected(
-            RuntimeError,
+        _misuse(
             "remove() called on an invalid block: " + _vllm_repr(-1, 0, None),
-            repair=Repair("remove", {"not_linked": 1}, (0,)),
+            "not_linked",
+            (0,),
+            RuntimeError,
         ),
     ),
     "remove_none": (
@@ -380,43 +389,23 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "append_linked": (
         append_linked,
-        Expected(
-            ValueError,
-            "append() " + LINKED + _repr(1),
-            repair=Repair("append", {"linked": 1}, (0, 1, 2)),
-        ),
+        _misuse("append() " + LINKED + _repr(1), "linked", (0, 1, 2)),
     ),
     "append_block_of_another_queue": (
         append_block_of_another_queue,
-        Expected(
-            ValueError,
-            "append() " + LINKED + _repr(0),
-            repair=Repair("append", {"linked": 1}, (0, 1, 2)),
-        ),
+        _misuse("append() " + LINKED + _repr(0), "linked", (0, 1, 2)),
     ),
     "append_head": (
         append_head,
-        Expected(
-            ValueError,
-            "append() " + SENTINEL + _repr(-1),
-            repair=Repair("append", {"sentinel": 1}, (0, 1, 2)),
-        ),
+        _misuse("append() " + SENTINEL + _repr(-1), "sentinel", (0, 1, 2)),
     ),
     "append_tail": (
         append_tail,
-        Expected(
-            ValueError,
-            "append() " + SENTINEL + _repr(-1),
-            repair=Repair("append", {"sentinel": 1}, (0, 1, 2)),
-        ),
+        _misuse("append() " + SENTINEL + _repr(-1), "sentinel", (0, 1, 2)),
     ),
     "append_sentinel_of_another_queue": (
         append_sentinel_of_another_queue,
-        Expected(
-            ValueError,
-            "append() " + LINKED + _repr(-1),
-            repair=Repair("append", {"linked": 1}, (0, 1, 2)),
-        ),
+        _misuse("append() " + LINKED + _repr(-1), "linked", (0, 1, 2)),
     ),
     "append_int": (append_int, Expected(TypeError, "append(): expected a KVCacheBlock, got int 5")),
     "append_other_block_class": (
@@ -428,19 +417,11 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "append_n_duplicate": (
         append_n_duplicate,
-        Expected(
-            ValueError,
-            "append_n() " + TWICE + _repr(0),
-            repair=Repair("append_n", {"duplicate": 1}, (2, 3, 0, 1)),
-        ),
+        _misuse("append_n() " + TWICE + _repr(0), "duplicate", (2, 3, 0, 1)),
     ),
     "append_n_duplicate_first": (
         append_n_duplicate_first,
-        Expected(
-            ValueError,
-            "append_n() " + TWICE + _repr(0),
-            repair=Repair("append_n", {"duplicate": 1}, (2, 3, 0)),
-        ),
+        _misuse("append_n() " + TWICE + _repr(0), "duplicate", (2, 3, 0)),
     ),
     "append_n_none_in_batch": (
         append_n_none_in_batch,
@@ -448,19 +429,11 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "append_n_linked_in_batch": (
         append_n_linked_in_batch,
-        Expected(
-            ValueError,
-            "append_n() " + LINKED + _repr(3),
-            repair=Repair("append_n", {"linked": 1}, (2, 3, 0, 1)),
-        ),
+        _misuse("append_n() " + LINKED + _repr(3), "linked", (2, 3, 0, 1)),
     ),
     "append_n_sentinel": (
         append_n_sentinel,
-        Expected(
-            ValueError,
-            "append_n() " + SENTINEL + _repr(-1),
-            repair=Repair("append_n", {"sentinel": 1}, (2, 3, 0)),
-        ),
+        _misuse("append_n() " + SENTINEL + _repr(-1), "sentinel", (2, 3, 0)),
     ),
     "append_n_not_iterable": (
         append_n_not_iterable,
@@ -468,11 +441,7 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "prepend_n_duplicate": (
         prepend_n_duplicate,
-        Expected(
-            ValueError,
-            "prepend_n() " + TWICE + _repr(1),
-            repair=Repair("prepend_n", {"duplicate": 1}, (1, 0, 2, 3)),
-        ),
+        _misuse("prepend_n() " + TWICE + _repr(1), "duplicate", (1, 0, 2, 3)),
     ),
     "prepend_n_str_in_batch": (
         prepend_n_str_in_batch,
@@ -480,18 +449,14 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "prepend_n_linked_first": (
         prepend_n_linked_first,
-        Expected(
-            ValueError,
-            "prepend_n() " + LINKED + _repr(2),
-            repair=Repair("prepend_n", {"linked": 1}, (0, 2, 3)),
-        ),
+        _misuse("prepend_n() " + LINKED + _repr(2), "linked", (0, 2, 3)),
     ),
     "remove_block_of_another_pool": (
         remove_block_of_another_pool,
-        Expected(
-            ValueError,
+        _misuse(
             "remove() called on a block of another pool's queue: " + _repr(1),
-            repair=Repair("remove", {"other_pool": 1}, (0, 1, 2)),
+            "other_pool",
+            (0, 1, 2),
         ),
     ),
     "iter_blocks_after_int": (
@@ -540,19 +505,11 @@ CASES: dict[str, tuple[Setup, Expected]] = {
     ),
     "construct_over_linked_block": (
         construct_over_linked_block,
-        Expected(
-            ValueError,
-            "FreeKVCacheBlockQueue() " + LINKED + _repr(0),
-            repair=Repair("FreeKVCacheBlockQueue", {"linked": 1}, (3,)),
-        ),
+        _misuse("FreeKVCacheBlockQueue() " + LINKED + _repr(0), "linked", (3,)),
     ),
     "construct_with_duplicate": (
         construct_with_duplicate,
-        Expected(
-            ValueError,
-            "FreeKVCacheBlockQueue() " + TWICE + _repr(7),
-            repair=Repair("FreeKVCacheBlockQueue", {"duplicate": 1}, (3, 4)),
-        ),
+        _misuse("FreeKVCacheBlockQueue() " + TWICE + _repr(7), "duplicate", (3, 4)),
     ),
     "construct_with_mixed_classes": (
         construct_with_mixed_classes,
