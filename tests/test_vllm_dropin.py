@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import kvqueue.vllm as kv_vllm
 from kvqueue import _env
 from kvqueue._vllm_lines import LINES, Line
 
-from support.blocks import VllmStyleBlock
+from support.blocks import VllmStyleBlock, layout
 
 UTILS = "vllm.v1.core.kv_cache_utils"
 POOL = "vllm.v1.core.block_pool"
@@ -106,17 +105,7 @@ def _module(name: str, **attrs: Any) -> Any:
 
 def line_block(line: Line) -> type:
     """A slotted dataclass with ``line``'s ``KVCacheBlock`` fields."""
-    types = {"block_id": int, "ref_cnt": int, "is_null": bool}
-    defaults = {"ref_cnt": 0, "is_null": False}
-    specs: list[Any] = []
-    for name in line.block_fields:
-        if name == "block_id":
-            specs.append((name, int))
-        elif name == "pool":
-            specs.append((name, Any, dataclasses.field(default=None, kw_only=True)))
-        else:
-            specs.append((name, types.get(name, Any), defaults.get(name)))
-    return dataclasses.make_dataclass("KVCacheBlock", specs, slots=True)
+    return layout("KVCacheBlock", line.block_fields)
 
 
 def _line_pool(pool: Any, line: Line) -> None:
@@ -398,41 +387,32 @@ def _no_distribution(name: str) -> str:
     raise PackageNotFoundError(name)
 
 
-@dataclasses.dataclass(slots=True)
-class ExtraFieldBlock:
-    block_id: int
-    ref_cnt: int = 0
-    pool: Any = dataclasses.field(default=None, kw_only=True)
-    _block_hash: Any = None
-    _block_hash_num_tokens: int | None = None
-    prev_free_block: Any = None
-    next_free_block: Any = None
-    is_null: bool = False
-    last_access: float = 0.0
-
-
-@dataclasses.dataclass(slots=True)
-class ReorderedBlock:
-    block_id: int
-    ref_cnt: int = 0
-    pool: Any = dataclasses.field(default=None, kw_only=True)
-    _block_hash: Any = None
-    prev_free_block: Any = None
-    next_free_block: Any = None
-    _block_hash_num_tokens: int | None = None
-    is_null: bool = False
-
-
-@dataclasses.dataclass
-class UnslottedBlock:
-    block_id: int
-    ref_cnt: int = 0
-    pool: Any = dataclasses.field(default=None, kw_only=True)
-    _block_hash: Any = None
-    _block_hash_num_tokens: int | None = None
-    prev_free_block: Any = None
-    next_free_block: Any = None
-    is_null: bool = False
+# vLLM 0.33's fields, then layouts that differ from every line's.
+_FIELDS_033 = (
+    "block_id",
+    "ref_cnt",
+    "pool",
+    "_block_hash",
+    "_block_hash_num_tokens",
+    "prev_free_block",
+    "next_free_block",
+    "is_null",
+)
+ExtraFieldBlock = layout("ExtraFieldBlock", (*_FIELDS_033, "last_access"))
+ReorderedBlock = layout(
+    "ReorderedBlock",
+    (
+        "block_id",
+        "ref_cnt",
+        "pool",
+        "_block_hash",
+        "prev_free_block",
+        "next_free_block",
+        "_block_hash_num_tokens",
+        "is_null",
+    ),
+)
+UnslottedBlock = layout("UnslottedBlock", _FIELDS_033, slots=False)
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from kvqueue import _pool_guard
 from kvqueue._vllm_lines import LINES, Line
 
-from support.blocks import VllmStyleBlock
+from support.blocks import VllmStyleBlock, layout
 
 SCREENS = {"kvqueue._queue": "kvqueue._screen", "kvqueue._queue_py": "kvqueue._screen_py"}
 
@@ -28,29 +27,24 @@ def line(name: str) -> Line:
     return next(each for each in LINES if each.name == name)
 
 
-@dataclass(slots=True)
-class Block023:
-    """vLLM 0.23's block layout: no ``pool``, no ``_block_hash_num_tokens``."""
-
-    block_id: int
-    ref_cnt: int = 0
-    _block_hash: Any = None
-    prev_free_block: Block023 | None = None
-    next_free_block: Block023 | None = None
-    is_null: bool = False
-
-
-@dataclass(slots=True)
-class Block024:
-    """vLLM 0.24-0.29's block layout: no ``pool``."""
-
-    block_id: int
-    ref_cnt: int = 0
-    _block_hash: Any = None
-    _block_hash_num_tokens: int | None = None
-    prev_free_block: Block024 | None = None
-    next_free_block: Block024 | None = None
-    is_null: bool = False
+#: vLLM 0.23's block layout: no ``pool``, no ``_block_hash_num_tokens``.
+Block023 = layout(
+    "Block023",
+    ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null"),
+)
+#: vLLM 0.24-0.29's block layout: no ``pool``.
+Block024 = layout(
+    "Block024",
+    (
+        "block_id",
+        "ref_cnt",
+        "_block_hash",
+        "_block_hash_num_tokens",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+    ),
+)
 
 
 def block_class(of: Line) -> type:
