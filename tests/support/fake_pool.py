@@ -27,24 +27,10 @@ def line(name: str) -> Line:
     return next(each for each in LINES if each.name == name)
 
 
-#: vLLM 0.23's block layout: no ``pool``, no ``_block_hash_num_tokens``.
-Block023 = layout(
-    "Block023",
-    ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null"),
-)
-#: vLLM 0.24-0.29's block layout: no ``pool``.
-Block024 = layout(
-    "Block024",
-    (
-        "block_id",
-        "ref_cnt",
-        "_block_hash",
-        "_block_hash_num_tokens",
-        "prev_free_block",
-        "next_free_block",
-        "is_null",
-    ),
-)
+# The blocks of the lines before 0.30, which name no pool, field for field as the lines'
+# table has them (0.24-0.29 add ``_block_hash_num_tokens``).
+Block023 = layout("Block023", line("0.23").block_fields)
+Block024 = layout("Block024", line("0.24").block_fields)
 
 
 def block_class(of: Line) -> type:
