@@ -104,9 +104,9 @@ def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
     return TypeError(f"{where}: expected a {_name(block_type)}, got {describe(obj)}{why}")
 
 
-def corrupted(where: str, obj: object) -> RuntimeError:
+def corrupted(method: str, obj: object) -> RuntimeError:
     return RuntimeError(
-        f"{where}: the free list is corrupted (a link holds {describe(obj)}); were "
+        f"{method}(): the free list is corrupted (a link holds {describe(obj)}); were "
         "prev_free_block/next_free_block assigned outside the queue?"
     )
 

@@ -295,7 +295,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             return value
         if value is NULL:
             return self._unset(block, offset)
-        raise _errors.corrupted(f"{method}()", <object>value)
+        raise _errors.corrupted(method, <object>value)
 
     cdef PyObject *_unset(self, PyObject *block, Py_ssize_t offset) except NULL:
         if offset == self._prev:
