@@ -19,6 +19,7 @@ from kvqueue import KVCacheBlock, _pool_guard
 from kvqueue._vllm_lines import LINES, Line, VLLMLayoutError
 
 from isolated.guard_cases import CASES as ISOLATED_CASES
+from support import vllm_stubs
 from support.blocks import VllmStyleBlock
 from support.fake_pool import (
     block_class,
@@ -420,23 +421,7 @@ def test_switching_twins_never_puts_vllms_method_back(monkeypatch: pytest.Monkey
 
 def _vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Any:
     """vLLM's module tree, as far as install() reads it, with a pool of the newest line."""
-    utils_name, pool_name = "vllm.v1.core.kv_cache_utils", "vllm.v1.core.block_pool"
-
-    class FreeKVCacheBlockQueue:
-        def __init__(self, blocks: Any) -> None: ...
-        def popleft(self) -> Any: ...
-        def popleft_n(self, n: int) -> Any: ...
-        def remove(self, block: Any) -> None: ...
-        def append(self, block: Any) -> None: ...
-        def prepend_n(self, blocks: Any) -> None: ...
-        def append_n(self, blocks: Any) -> None: ...
-        def get_all_free_blocks(self) -> Any: ...
-        def iter_blocks_after(self, cursor: Any) -> Any: ...
-
-    FreeKVCacheBlockQueue.__module__ = utils_name
-    for value in vars(FreeKVCacheBlockQueue).values():
-        if callable(value):
-            value.__module__ = utils_name
+    utils_name, pool_name = vllm_stubs.UTILS, vllm_stubs.POOL
     modules = {
         "vllm": ModuleType("vllm"),
         "vllm.v1": ModuleType("vllm.v1"),
@@ -446,8 +431,8 @@ def _vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Any:
     }
     modules["vllm"].__version__ = NEWEST.release  # type: ignore[attr-defined]
     modules[utils_name].KVCacheBlock = VllmStyleBlock  # type: ignore[attr-defined]
-    modules[utils_name].FreeKVCacheBlockQueue = FreeKVCacheBlockQueue  # type: ignore[attr-defined]
-    modules[pool_name].FreeKVCacheBlockQueue = FreeKVCacheBlockQueue  # type: ignore[attr-defined]
+    modules[utils_name].FreeKVCacheBlockQueue = vllm_stubs.VllmQueue  # type: ignore[attr-defined]
+    modules[pool_name].FreeKVCacheBlockQueue = vllm_stubs.VllmQueue  # type: ignore[attr-defined]
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return modules[pool_name]

@@ -17,39 +17,7 @@ from kvqueue import _env
 from kvqueue._vllm_lines import LINES, Line
 
 from support.blocks import VllmStyleBlock, layout
-
-UTILS = "vllm.v1.core.kv_cache_utils"
-POOL = "vllm.v1.core.block_pool"
-
-
-def _as_vllms(cls: type) -> type:
-    """Make ``cls`` and its methods look defined in vLLM's module, as vLLM's own queue is
-    (kvqueue refuses a queue class another module patched)."""
-    cls.__module__ = UTILS
-    for value in vars(cls).values():
-        if callable(value):
-            value.__module__ = UTILS
-    return cls
-
-
-@_as_vllms
-class VllmQueue:
-    """Stands in for vLLM's own queue: the public API is what the drop-in compares."""
-
-    def __init__(self, blocks: list[Any]) -> None:
-        self.blocks = blocks
-
-    def popleft(self) -> Any:
-        return self.blocks[0]
-
-    def popleft_n(self, n: int) -> Any: ...
-    def remove(self, block: Any) -> None: ...
-    def append(self, block: Any) -> None: ...
-    def prepend_n(self, blocks: Any) -> None: ...
-    def append_n(self, blocks: Any) -> None: ...
-    def get_all_free_blocks(self) -> Any: ...
-    def iter_blocks_after(self, cursor: Any) -> Any: ...
-
+from support.vllm_stubs import POOL, UTILS, VllmQueue, as_vllms
 
 # A stand-in for vLLM's BlockPool with the guarded methods a line defines (their parameter
 # names are the line's: install() checks them); it looks the queue up by its module-global
@@ -132,7 +100,7 @@ def line_queue(line: Line) -> type:
     namespace = {
         k: v for k, v in vars(VllmQueue).items() if k.startswith("_") or k in line.queue_methods
     }
-    return _as_vllms(type("FreeKVCacheBlockQueue", (), namespace))
+    return as_vllms(type("FreeKVCacheBlockQueue", (), namespace))
 
 
 class FakeVllm:
@@ -437,7 +405,7 @@ def test_unknown_block_layout_refused(
 
 
 def test_unknown_queue_api_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    @_as_vllms
+    @as_vllms
     class NewerQueue(VllmQueue):
         def popleft_until(self, block: Any) -> None: ...
 
