@@ -175,7 +175,7 @@ def test_another_projects_patch_before_the_plugin_is_refused_by_name() -> None:
     assert result["error"].startswith(
         "VLLMLayoutError: vllm.v1.core.block_pool.BlockPool.free_blocks "
     )
-    assert "their_project.patches replaced it" in result["error"]
+    assert "is not vLLM's own: their_project.patches.theirs_patch" in result["error"]
     assert "KVQUEUE_WRAP_FOREIGN=1" in result["error"]
 
 
