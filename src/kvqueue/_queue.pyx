@@ -38,6 +38,7 @@ Only the compiled twin has these, for what C does not give for free::
     _read, _follow, _unset                         slot reads (pure: attribute access)
     _takes, _refuse_takes                          popleft_n's count checks (pure: inline)
     _insert_one, _in_pool, _is_fresh               the one-block batch (pure: inline in append_n)
+    _link_run                                      _link's loop, out of line (pure: in _link)
     _unlink_run                                    _link's undo (pure: _undo)
     _BlockIterator                                 iter_blocks_after's cursor (pure: _iter_after)
 
@@ -574,7 +575,9 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         else:
             self._link("prepend_n", True, seq)
 
-    cdef int _link(self, str method, bint front, object blocks, bint screened=False) except -1:
+    cdef inline int _link(
+        self, str method, bint front, object blocks, bint screened=False
+    ) except -1:
         """Link the non-empty list or tuple ``blocks`` at the front or the end; 1 if
         it did.
 
@@ -586,22 +589,30 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         good blocks linked; ``screened`` marks that second pass, which returns
         0, with nothing linked, if one of them was linked meanwhile.
         """
+        # Inlined, so that a caller's constant ``front`` reads one end only; the loop is
+        # _link_run, out of line.
+        if front:
+            left = self.fake_free_list_head
+            right = <object>self._follow(<PyObject *>left, self._next, method)
+            if right is None:
+                raise AssertionError(_errors.HEAD_LOST)
+        else:
+            right = self.fake_free_list_tail
+            left = <object>self._follow(<PyObject *>right, self._prev, method)
+            if left is None:
+                raise AssertionError(_errors.TAIL_LOST)
+        return self._link_run(method, front, left, right, blocks, screened)
+
+    cdef int _link_run(
+        self, str method, bint front, object left, object right, object blocks, bint screened
+    ) except -1:
+        """``_link``'s loop: ``blocks`` linked between ``left`` and ``right``."""
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks)
         cdef Py_ssize_t i
         cdef PyObject *b
         cdef PyTypeObject *tp = self._tp
         cdef Py_ssize_t P = self._prev
         cdef Py_ssize_t N = self._next
-        if front:
-            left = self.fake_free_list_head
-            right = <object>self._follow(<PyObject *>left, N, method)
-            if right is None:
-                raise AssertionError(_errors.HEAD_LOST)
-        else:
-            right = self.fake_free_list_tail
-            left = <object>self._follow(<PyObject *>right, P, method)
-            if left is None:
-                raise AssertionError(_errors.TAIL_LOST)
         cdef PyObject *prev = <PyObject *>left
         # A bound queue's pool is checked in a pass of its own, which leaves the
         # linking loop as it is for an unbound one: the loop stops where it found
