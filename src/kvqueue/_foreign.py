@@ -1,9 +1,10 @@
 """What another project patched in vLLM, found in one place: vLLM's queue class replaced or
 changed, or a ``BlockPool`` method the guard wraps replaced; and kvqueue's refusal of it.
 
-A function is vLLM's own when it was defined in the module of the class that holds it,
-with that class's qualified name: its globals are that module's (``functools.wraps``
-copies a name, never the globals).
+A guarded pool method is vLLM's own when it was defined in the module of the class that
+holds it, with that class's qualified name: its globals are that module's
+(``functools.wraps`` copies a name, never the globals). The queue class and its methods are
+read by the module they name.
 """
 
 from __future__ import annotations
