@@ -428,6 +428,7 @@ def _vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Any:
         "vllm.v1.core": ModuleType("vllm.v1.core"),
         utils_name: ModuleType(utils_name),
         pool_name: ModuleType(pool_name),
+        vllm_stubs.MANAGER: vllm_stubs.manager_module(),
     }
     modules["vllm"].__version__ = NEWEST.release  # type: ignore[attr-defined]
     modules[utils_name].KVCacheBlock = VllmStyleBlock  # type: ignore[attr-defined]

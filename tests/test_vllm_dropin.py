@@ -17,7 +17,7 @@ from kvqueue import _env
 from kvqueue._vllm_lines import LINES, Line
 
 from support.blocks import VllmStyleBlock, layout
-from support.vllm_stubs import POOL, UTILS, VllmQueue, as_vllms
+from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
 
 # A stand-in for vLLM's BlockPool with the guarded methods a line defines (their parameter
 # names are the line's: install() checks them); it looks the queue up by its module-global
@@ -132,6 +132,8 @@ class FakeVllm:
         monkeypatch.setitem(sys.modules, POOL, self.pool)
         exec(compile(POOL_SOURCE, "<fake block_pool>", "exec"), self.pool.__dict__)
         _line_pool(self.pool, line)
+        self.manager = manager_module()
+        monkeypatch.setitem(sys.modules, MANAGER, self.manager)
 
     def bindings(self) -> tuple[Any, Any]:
         """The queue class that each module's name builds."""

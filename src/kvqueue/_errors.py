@@ -18,10 +18,23 @@ from ._block import KVCacheBlock, is_subtype, layout_change, lookup
 
 #: The misuses a queue repairs under ``"repair"`` (and refuses under ``"raise"``).
 QueueMisuse = Literal["duplicate", "linked", "sentinel", "not_linked", "other_pool"]
-#: The misuses the pool guard repairs.
-PoolMisuse = Literal["double_free", "negative_ref", "held_free"]
+#: What the holder audit finds at a scheduler step (and repairs under ``"repair"``): a
+#: block a live request lists that is in the free list; one listed twice by one request
+#: in one manager; one listed by two managers; one listed more times than its ``ref_cnt``.
+AuditMisuse = Literal["listed_free", "listed_twice", "two_managers", "under_counted"]
+#: The misuses the pool guard repairs, the holder audit's included.
+PoolMisuse = Literal[
+    "double_free",
+    "negative_ref",
+    "held_free",
+    "listed_free",
+    "listed_twice",
+    "two_managers",
+    "under_counted",
+]
 QUEUE_MISUSES: tuple[QueueMisuse, ...] = get_args(QueueMisuse)
 POOL_MISUSES: tuple[PoolMisuse, ...] = get_args(PoolMisuse)
+AUDIT_MISUSES: tuple[AuditMisuse, ...] = get_args(AuditMisuse)
 
 #: What the repair of each misuse did (its log line says it).
 REPAIRED: dict[QueueMisuse | PoolMisuse, str] = {
@@ -33,7 +46,16 @@ REPAIRED: dict[QueueMisuse | PoolMisuse, str] = {
     "double_free": "it was given more times than it holds references; the excess dropped",
     "negative_ref": "its ref_cnt was negative (an unguarded double free); taken as 0",
     "held_free": "it was in the free list while held; unlinked instead of handed out",
+    "listed_free": "a live request lists it, but it was in the free list",
+    "listed_twice": "one request lists it twice in one manager",
+    "two_managers": "two managers list it",
+    "under_counted": "it is listed more times than its ref_cnt",
 }
+
+
+class HolderAuditError(RuntimeError):
+    """The holder audit found a block that a live request lists in the free list, or
+    listed more times than it is held, before a scheduler step handed anything out."""
 
 _qualname = type.__dict__["__qualname__"].__get__
 _namespace = type.__dict__["__dict__"].__get__

@@ -37,24 +37,31 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import weakref
 from collections.abc import Callable
 from operator import index
 from types import ModuleType
 from typing import Any
 
-from . import _block, _errors, _foreign, _log, _policy
+from . import _block, _errors, _foreign, _policy, _report, _rules
+from ._report import Note as _Note
+from ._report import call as _call
+from ._report import log_notes as _log_notes
+from ._report import named as _named
+from ._report import pool_repairs
+from ._report import repaired as _repaired
+from ._report import then_log as _then_log
+from ._report import where as _where
 
-__all__ = ("GUARDED", "guard", "originals", "pool_repairs", "unguard")
+__all__ = ("AUDITED", "GUARDED", "guard", "originals", "pool_repairs", "unguard")
 
 #: The methods guarded, in the order a request meets them.
 GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
+#: The ``KVCacheManager`` method the holder audit runs in: the first the scheduler calls in
+#: a step, before any block is counted free for a request or handed out.
+AUDITED = ("new_step_starts",)
 
 PolicyOf = Callable[[Any], _policy.MisusePolicy]
-
-# Per pool, weakly: a pool's counters go with it.
-_repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 
 _MISSING: Any = object()
 _namespace = type.__dict__["__dict__"].__get__
@@ -119,20 +126,18 @@ def _register(function: Callable[..., Any], made: _Guard) -> None:
     _made[key] = (weakref.ref(function, forget), made)
 
 
-def pool_repairs(pool: object) -> dict[str, int]:
-    """The repairs the guard made on ``pool``, by kind (all 0 for a pool it never repaired)."""
-    return dict(_repairs.get(pool) or dict.fromkeys(_errors.POOL_MISUSES, 0))
-
-
-def originals(pool_class: type, *, wrap_foreign: bool) -> dict[str, Any]:
-    """The methods the guard would wrap, by name: vLLM's own (or what is there).
+def originals(
+    pool_class: type, *, wrap_foreign: bool, names: tuple[str, ...] = GUARDED
+) -> dict[str, Any]:
+    """The methods the guard would wrap (``names``: those of ``BlockPool``, or
+    :data:`AUDITED` of ``KVCacheManager``), by name: vLLM's own (or what is there).
 
     Raises VLLMLayoutError if a method is neither vLLM's own nor kvqueue's guard,
     unless ``wrap_foreign``: then the guard wraps what is there.
     """
     found_methods: dict[str, Any] = {}
     namespace = _namespace(pool_class)
-    for name in GUARDED:
+    for name in names:
         found = namespace.get(name)
         if found is None:
             continue
@@ -154,6 +159,7 @@ def guard(
     *,
     wrap_foreign: bool,
     line: Any,
+    names: tuple[str, ...] = GUARDED,
 ) -> dict[str, Any]:
     """Replace each guarded method ``pool_class`` has with its guard for vLLM ``line``
     (a ``kvqueue._vllm_lines.Line``); return the originals.
@@ -164,7 +170,7 @@ def guard(
     retired, so that no call is screened twice. Raises as :func:`originals` does, before
     it changes anything.
     """
-    replaced = originals(pool_class, wrap_foreign=wrap_foreign)
+    replaced = originals(pool_class, wrap_foreign=wrap_foreign, names=names)
     namespace = _namespace(pool_class)
     made = {}
     for name, original in replaced.items():
@@ -220,6 +226,7 @@ def _binds(made: _Guard, pool: Any, first: Any, args: tuple[Any, ...], kwargs: A
 def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_excess = made.screen.first_excess
+    freed = _report.freed
     own = line.has_pool_field
     parameter = _parameter(line, made.name)
 
@@ -233,6 +240,7 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         # vLLM iterates its argument once; a list made here is what it iterates,
         # so what was screened is what is freed.
         blocks = list(blocks)
+        freed(blocks)
         found = first_excess(blocks, self if own else None)
         if found == -1:
             return original(self, blocks, *args, **kwargs)
@@ -293,11 +301,25 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     return _wrapped(made, get_new_blocks)
 
 
+def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:
+    original = made.original
+    audit = _rules.audit_holders
+    screen = made.screen
+
+    def new_step_starts(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not made.retired:
+            audit(self, screen, made.policy_of)
+        return original(self, *args, **kwargs)
+
+    return _wrapped(made, new_step_starts)
+
+
 _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
     "free_blocks": _free_guard,
     "unpin_blocks": _free_guard,
     "touch": _touch_guard,
     "get_new_blocks": _alloc_guard,
+    "new_step_starts": _step_guard,
 }
 
 
@@ -549,62 +571,3 @@ def _alloc(
             )
         _repaired(pool, "get_new_blocks", block, "held_free", notes)
     return _then_log(notes, original, pool, num_blocks, *args, **kwargs)
-
-
-# A repair to log: (message arguments). Logged once vLLM's method has run, so that
-# a logging handler that calls back into the pool finds it whole.
-_Note = tuple[Any, ...]
-
-
-def _repaired(
-    pool: Any, method: str, block: Any, kind: _errors.PoolMisuse, notes: list[_Note]
-) -> None:
-    counts = _repairs.get(pool)
-    if counts is None:
-        counts = _repairs[pool] = dict.fromkeys(_errors.POOL_MISUSES, 0)
-    counts[kind] += 1
-    notes.append((_call(method), kind, counts[kind], _named(block), _errors.REPAIRED[kind], pool))
-
-
-def _then_log(notes: list[_Note], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """vLLM's method, then the repairs' log lines (even if it raised)."""
-    try:
-        return original(*args, **kwargs)
-    finally:
-        _log_notes(notes)
-
-
-def _log_notes(notes: list[_Note]) -> None:
-    for *note, pool in notes:
-        _log.repaired(
-            "%s repaired a double free (%s #%d on this pool): block %s: %s. %s",
-            *note,
-            _where(pool),
-        )
-
-
-def _named(block: Any) -> str:
-    """A block for a message: its ``block_id`` from its slot, else as ``describe`` has it;
-    no code of the block's runs."""
-    found = _errors.block_id(block)
-    return _errors.describe(block) if found is None else _errors.number(found)
-
-
-def _call(method: str) -> str:
-    return f"BlockPool.{method}()"
-
-
-def _where(pool: Any) -> str:
-    """Which pool, and the caller of the guarded method (the code that misused it)."""
-    # The first frame outside this file (whose guards are the methods called) is the caller.
-    frame: Any = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame = frame.f_back
-    site = "unknown"
-    if frame is not None:
-        # An installed package by its import path (vllm/v1/core/...), else the file's tail.
-        path = frame.f_code.co_filename.replace("\\", "/")
-        path = path.rpartition("-packages/")[2] or path
-        site = f"{'/'.join(path.split('/')[-4:])}:{frame.f_lineno} in {frame.f_code.co_name}"
-    blocks = getattr(pool, "num_gpu_blocks", "?")
-    return f"Pool: BlockPool at {id(pool):#x} ({blocks} blocks); called from {site}"

@@ -1,8 +1,18 @@
 # The compiled twin's types are the pure twin's: one source of truth.
+from ._screen_py import HOLDER_FAULTS as HOLDER_FAULTS
 from ._screen_py import OTHER_POOLS as OTHER_POOLS
 from ._screen_py import REPEATS as REPEATS
 from ._screen_py import first_excess as first_excess
 from ._screen_py import first_held_free as first_held_free
 from ._screen_py import first_negative as first_negative
+from ._screen_py import holder_faults as holder_faults
 
-__all__ = ("OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_negative")
+__all__ = (
+    "HOLDER_FAULTS",
+    "OTHER_POOLS",
+    "REPEATS",
+    "first_excess",
+    "first_held_free",
+    "first_negative",
+    "holder_faults",
+)

@@ -18,17 +18,30 @@ Deliberate differences, none visible in what a screen returns or raises:
   address.
 """
 
-from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Realloc
 from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport uintptr_t
+from libc.string cimport memset
 
-__all__ = ("OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_negative")
+__all__ = (
+    "HOLDER_FAULTS",
+    "OTHER_POOLS",
+    "REPEATS",
+    "first_excess",
+    "first_held_free",
+    "first_negative",
+    "holder_faults",
+)
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
 #: pools, and blocks given more than once (within the references they hold).
 OTHER_POOLS = 1
 REPEATS = 2
+#: What :func:`holder_faults` finds, in the order it looks: a block a holder lists that is
+#: in the free list; one listed twice by one holder of one manager; one listed by two
+#: managers; one listed more times than its ``ref_cnt``; one whose ``ref_cnt`` is no int.
+HOLDER_FAULTS = ("listed_free", "listed_twice", "two_managers", "under_counted", "bad_count")
 
 
 cdef extern from "_screen.h":
@@ -43,7 +56,7 @@ cdef struct _Seen:
 
 
 cdef enum:
-    _POOL, _IS_NULL, _REF_CNT, _PREV, _NEXT, _FIELDS
+    _POOL, _IS_NULL, _REF_CNT, _PREV, _NEXT, _BLOCK_ID, _FIELDS
 
 
 # Where one block class keeps the fields a screen reads (-1: not a slot). ``type`` is
@@ -65,6 +78,7 @@ cdef void _learn(_Layout *lay, object block):
     lay.off[_REF_CNT] = kvs_slot(tp, "ref_cnt")
     lay.off[_PREV] = kvs_slot(tp, "prev_free_block")
     lay.off[_NEXT] = kvs_slot(tp, "next_free_block")
+    lay.off[_BLOCK_ID] = kvs_slot(tp, "block_id")
 
 
 cdef inline object _field(object block, _Layout *lay, int field, str name):
@@ -200,3 +214,147 @@ def first_held_free(object head, Py_ssize_t n):
         if not kvs_count(<PyObject *>value, &refs) or refs != 0:
             return block
     return None
+
+
+# holder_faults' table: one entry per block id of the pool audited, kept between calls and
+# told apart by a generation number, so that a call costs what it lists, not the pool's
+# size. ``block`` is a strong reference while the entry is of the current generation (the
+# ids of the entries holding one are in ``_touched``): no code a read runs can free a
+# block and put another at its address. A call that code run inside another makes (a
+# property of a block that audits) gets a table of its own.
+cdef struct _Held:
+    PyObject *block
+    size_t gen
+    Py_ssize_t listed
+    Py_ssize_t group
+    Py_ssize_t stamp
+    bint reported
+
+
+cdef _Held *_held = NULL
+cdef Py_ssize_t *_touched = NULL
+cdef Py_ssize_t _held_len = 0
+cdef size_t _gen = 0
+cdef bint _busy = False
+
+
+cdef int _grow(Py_ssize_t n) except -1:
+    """``_held`` and ``_touched`` for at least ``n`` block ids, new entries of no
+    generation."""
+    global _held, _touched, _held_len
+    cdef _Held *held
+    cdef Py_ssize_t *touched
+    if n <= _held_len:
+        return 0
+    held = <_Held *>PyMem_Realloc(_held, n * sizeof(_Held))
+    if held is NULL:
+        raise MemoryError()
+    _held = held
+    touched = <Py_ssize_t *>PyMem_Realloc(_touched, n * sizeof(Py_ssize_t))
+    if touched is NULL:
+        raise MemoryError()
+    _touched = touched
+    memset(&_held[_held_len], 0, (n - _held_len) * sizeof(_Held))
+    _held_len = n
+    return 0
+
+
+def holder_faults(list pool_blocks, list tables):
+    """What the holders of ``pool_blocks`` list against what the blocks say: a list of
+    ``(kind, block)`` (kinds: :data:`HOLDER_FAULTS`), each block once, at its first fault
+    in listing order; empty when every holder's blocks are held. O(listed blocks).
+
+    ``tables``: one mapping per manager (vLLM's ``req_to_blocks``), holder -> its blocks.
+    Only ``pool_blocks``'s own blocks are counted (``pool_blocks[block.block_id] is
+    block``); null blocks are skipped. A block's count is checked at each listing against
+    the listings so far, so its first fault is found where it shows.
+    """
+    global _busy, _gen
+    cdef Py_ssize_t n = len(pool_blocks), touched = 0, stamp = 0, group = 0
+    cdef Py_ssize_t i, size, block_id, refs
+    cdef _Held *held
+    cdef Py_ssize_t *ids
+    cdef _Held *entry
+    cdef size_t gen
+    cdef bint own = not _busy
+    cdef object block, blocks, kind
+    cdef _Layout lay
+    cdef list found = []
+    lay.type = NULL
+    if own:
+        _grow(n)
+        _gen += 1
+        held, ids, gen = _held, _touched, _gen
+        _busy = True
+    else:
+        held = <_Held *>PyMem_Calloc(n if n else 1, sizeof(_Held))
+        ids = <Py_ssize_t *>PyMem_Calloc(n if n else 1, sizeof(Py_ssize_t))
+        gen = 1
+        if held is NULL or ids is NULL:
+            PyMem_Free(held)
+            PyMem_Free(ids)
+            raise MemoryError()
+    try:
+        for table in tables:
+            for blocks in table.values():
+                stamp += 1
+                if type(blocks) is not list:
+                    blocks = list(blocks)
+                size = len(blocks)
+                i = 0
+                # The length is read again each turn, as first_excess does.
+                while i < len(blocks) and i < size:
+                    block = (<list>blocks)[i]
+                    i += 1
+                    if _is_null(block, &lay):
+                        continue
+                    value = _field(block, &lay, _BLOCK_ID, "block_id")
+                    if not kvs_count(<PyObject *>value, &block_id):
+                        continue
+                    if block_id < 0 or block_id >= n or block_id >= len(pool_blocks):
+                        continue
+                    if pool_blocks[block_id] is not block:
+                        continue
+                    entry = &held[block_id]
+                    kind = None
+                    if entry.gen != gen or entry.block != <PyObject *>block:
+                        if entry.gen != gen:
+                            ids[touched] = block_id
+                            touched += 1
+                        Py_INCREF(block)
+                        if entry.gen == gen:
+                            Py_DECREF(<object>entry.block)
+                        entry.block = <PyObject *>block
+                        entry.gen = gen
+                        entry.listed = 0
+                        entry.group = group
+                        entry.reported = False
+                        if _field(block, &lay, _PREV, "prev_free_block") is not None:
+                            kind = "listed_free"
+                    elif entry.stamp == stamp:
+                        kind = "listed_twice"
+                    elif entry.group != group:
+                        kind = "two_managers"
+                    entry.stamp = stamp
+                    entry.listed += 1
+                    if kind is None and not entry.reported:
+                        value = _field(block, &lay, _REF_CNT, "ref_cnt")
+                        if not kvs_count(<PyObject *>value, &refs):
+                            kind = "bad_count"
+                        elif entry.listed > refs:
+                            kind = "under_counted"
+                    if kind is not None and not entry.reported:
+                        entry.reported = True
+                        found.append((kind, block))
+            group += 1
+    finally:
+        for i in range(touched):
+            entry = &held[ids[i]]
+            Py_DECREF(<object>entry.block)
+            entry.block = NULL
+        if own:
+            _busy = False
+        else:
+            PyMem_Free(held)
+            PyMem_Free(ids)
+    return found

@@ -19,7 +19,15 @@ from typing import Any
 
 from ._block import is_subtype
 
-__all__ = ("OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_negative")
+__all__ = (
+    "HOLDER_FAULTS",
+    "OTHER_POOLS",
+    "REPEATS",
+    "first_excess",
+    "first_held_free",
+    "first_negative",
+    "holder_faults",
+)
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
 #: pools, and blocks given more than once (within the references they hold).
@@ -27,6 +35,11 @@ OTHER_POOLS = 1
 REPEATS = 2
 
 _ZERO = 0
+
+#: What :func:`holder_faults` finds, in the order it looks: a block a holder lists that is
+#: in the free list; one listed twice by one holder of one manager; one listed by two
+#: managers; one listed more times than its ``ref_cnt``; one whose ``ref_cnt`` is no int.
+HOLDER_FAULTS = ("listed_free", "listed_twice", "two_managers", "under_counted", "bad_count")
 
 
 def first_excess(blocks: list[Any], pool: object) -> int:
@@ -116,3 +129,55 @@ def _count(value: object) -> int | None:
     if is_subtype(type(value), int):
         return int.__index__(value)  # type: ignore[arg-type]
     return None
+
+
+def holder_faults(pool_blocks: list[Any], tables: list[Any]) -> list[tuple[str, Any]]:
+    """What the holders of ``pool_blocks`` list against what the blocks say: a list of
+    ``(kind, block)`` (kinds: :data:`HOLDER_FAULTS`), each block once, at its first fault
+    in listing order; empty when every holder's blocks are held. O(listed blocks).
+
+    ``tables``: one mapping per manager (vLLM's ``req_to_blocks``), holder -> its blocks.
+    Only ``pool_blocks``'s own blocks are counted (``pool_blocks[block.block_id] is
+    block``); null blocks are skipped. A block's count is checked at each listing against
+    the listings so far, so its first fault is found where it shows.
+    """
+    # block_id -> [block, listings, manager, holder stamp, reported]
+    seen: dict[int, list[Any]] = {}
+    found: list[tuple[str, Any]] = []
+    stamp = 0
+    size = len(pool_blocks)
+    for group, table in enumerate(tables):
+        for blocks in table.values():
+            stamp += 1
+            if type(blocks) is not list:
+                blocks = list(blocks)
+            for _, block in zip(range(len(blocks)), blocks, strict=False):
+                if block.is_null:
+                    continue
+                block_id = _count(block.block_id)
+                if block_id is None or not 0 <= block_id < min(size, len(pool_blocks)):
+                    continue
+                if pool_blocks[block_id] is not block:
+                    continue
+                entry = seen.get(block_id)
+                kind: str | None = None
+                if entry is None or entry[0] is not block:
+                    entry = seen[block_id] = [block, 0, group, stamp, False]
+                    if block.prev_free_block is not None:
+                        kind = "listed_free"
+                elif entry[3] == stamp:
+                    kind = "listed_twice"
+                elif entry[2] != group:
+                    kind = "two_managers"
+                entry[3] = stamp
+                entry[1] += 1
+                if kind is None and not entry[4]:
+                    refs = _count(block.ref_cnt)
+                    if refs is None:
+                        kind = "bad_count"
+                    elif entry[1] > refs:
+                        kind = "under_counted"
+                if kind is not None and not entry[4]:
+                    entry[4] = True
+                    found.append((kind, block))
+    return found

@@ -33,13 +33,16 @@ from typing import Any, Literal
 
 from . import _foreign, _log, _policy, _pool_guard, _vllm_lines
 from ._block import check_block_type
-from ._pool_guard import pool_repairs
+from ._errors import HolderAuditError
+from ._report import audit_findings, pool_repairs
 from ._vllm_lines import Line, VLLMLayoutError
 from ._vllm_plugin import plugin
 
 __all__ = (
+    "HolderAuditError",
     "Implementation",
     "VLLMLayoutError",
+    "audit_findings",
     "check",
     "install",
     "patched",
@@ -53,6 +56,7 @@ Implementation = Literal["auto", "cython", "python"]
 
 _UTILS = "vllm.v1.core.kv_cache_utils"
 _POOL = "vllm.v1.core.block_pool"
+_MANAGER = "vllm.v1.core.kv_cache_manager"
 _NAME = "FreeKVCacheBlockQueue"
 
 
@@ -117,10 +121,13 @@ class _Installed:
     # What vLLM's FreeKVCacheBlockQueue name is bound to now, and vLLM's own class.
     bound: _QueueName
     original: type
-    # vLLM's BlockPool methods the guard replaced (empty with the guard off).
+    # vLLM's BlockPool methods the guard replaced (empty with the guard off), and the
+    # KVCacheManager method the holder audit runs in (likewise).
     pool_class: type
     pool_originals: dict[str, Any]
     wrap_foreign: bool
+    manager_class: type
+    manager_originals: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _installed: _Installed | None = None
@@ -168,7 +175,7 @@ def install(
             # access raises stops the install with nothing changed.
             targets = _holders(state.original)
             if pool_guard:
-                state.pool_originals = _guard(state, screen)
+                _guard(state, screen)
             _bind(targets, state.bound)
             _installed = state
         else:
@@ -177,12 +184,11 @@ def install(
             targets = _holders(None) if rebind else []
             if pool_guard and (state.implementation != name or not state.pool_originals):
                 if not state.pool_originals:
-                    _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
+                    _originals(state, wrap_foreign)
                 state.wrap_foreign = wrap_foreign
-                state.pool_originals = _guard(state, screen)
+                _guard(state, screen)
             elif not pool_guard and state.pool_originals:
-                _pool_guard.unguard(state.pool_class, state.pool_originals)
-                state.pool_originals = {}
+                _unguard(state)
             state.wrap_foreign = wrap_foreign
             if rebind:
                 state.bound = _queue_name(queue_class, state.bound.block_type, on_misuse)
@@ -212,6 +218,11 @@ def _checked(
     pool_class = vars(pool).get("BlockPool")
     if not isinstance(pool_class, type):
         raise VLLMLayoutError(f"{_POOL} defines no BlockPool class")
+    manager_class = vars(importlib.import_module(_MANAGER)).get("KVCacheManager")
+    if not isinstance(manager_class, type) or not callable(
+        vars(manager_class).get("new_step_starts")
+    ):
+        raise VLLMLayoutError(f"{_MANAGER} defines no KVCacheManager.new_step_starts")
     version = _version(vllm)
     line = _vllm_lines.line_of(
         version, block_class, original, pool_class, check_version=check_version
@@ -231,7 +242,8 @@ def _checked(
     assert isinstance(block_class, type)
     bound = _queue_name(queue_class, block_class, on_misuse)
     return _Installed(
-        name, queue_class, on_misuse, line, bound, original, pool_class, {}, wrap_foreign
+        name, queue_class, on_misuse, line, bound, original, pool_class, {}, wrap_foreign,
+        manager_class,
     )
 
 
@@ -249,10 +261,36 @@ def _version(vllm: ModuleType) -> str | None:
         return None
 
 
-def _guard(state: _Installed, screen: ModuleType) -> dict[str, Any]:
-    return _pool_guard.guard(
+def _guard(state: _Installed, screen: ModuleType) -> None:
+    """The pool guard and the holder audit, ``screen``'s twin, in place of what was there.
+    Both classes are checked before either is changed."""
+    _originals(state, state.wrap_foreign)
+    state.pool_originals = _pool_guard.guard(
         state.pool_class, screen, _pool_policy, wrap_foreign=state.wrap_foreign, line=state.line
     )
+    state.manager_originals = _pool_guard.guard(
+        state.manager_class,
+        screen,
+        _pool_policy,
+        wrap_foreign=state.wrap_foreign,
+        line=state.line,
+        names=_pool_guard.AUDITED,
+    )
+
+
+def _originals(state: _Installed, wrap_foreign: bool) -> None:
+    """Raise as the guard would on a patched method of either class; change nothing."""
+    _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
+    _pool_guard.originals(
+        state.manager_class, wrap_foreign=wrap_foreign, names=_pool_guard.AUDITED
+    )
+
+
+def _unguard(state: _Installed) -> None:
+    _pool_guard.unguard(state.pool_class, state.pool_originals)
+    _pool_guard.unguard(state.manager_class, state.manager_originals)
+    state.pool_originals = {}
+    state.manager_originals = {}
 
 
 def _pool_policy(pool: Any) -> _policy.MisusePolicy:
@@ -299,7 +337,7 @@ def uninstall() -> bool:
         if state is None:
             return False
         targets = _holders(None)
-        _pool_guard.unguard(state.pool_class, state.pool_originals)
+        _unguard(state)
         _bind(targets, state.original)
         _installed = None
         _log.forward_to_vllm(False)
@@ -312,7 +350,8 @@ def status() -> dict[str, Any]:
     ``implementation``: ``"cython"``, ``"python"`` or None (not installed); ``on_misuse``:
     the policy given to :func:`install` (None: ``KVQUEUE_ON_MISUSE`` decides per queue);
     ``line``: the vLLM line it was checked against (``"0.31"``); ``pool_guard``: whether
-    ``BlockPool``'s methods are guarded, and ``guarded``: which.
+    ``BlockPool``'s methods are guarded, and ``guarded``: which; ``holder_audit``: whether
+    each scheduler step starts with the holder audit (it follows the pool guard).
     """
     state = _installed
     return {
@@ -321,6 +360,7 @@ def status() -> dict[str, Any]:
         "line": None if state is None else state.line.name,
         "pool_guard": bool(state is not None and state.pool_originals),
         "guarded": [] if state is None else sorted(state.pool_originals),
+        "holder_audit": bool(state is not None and state.manager_originals),
     }
 
 
@@ -359,7 +399,7 @@ def check(implementation: Implementation = "auto", *, wrap_foreign: bool = False
         if _installed is not None:
             return
         state = _checked(True, wrap_foreign, queue_class, name, None)
-        _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
+        _originals(state, wrap_foreign)
         _holders(state.original)
 
 

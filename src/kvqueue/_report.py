@@ -1,0 +1,143 @@
+"""What the pool guard and its rules report: the repairs counted per pool, the findings of
+the holder audit counted per process, the log lines, and where a call came from.
+
+Shared by the guard (``_pool_guard``) and its rules (``_rules``), which both report here and
+read nothing back but the counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from . import _errors, _log
+
+__all__ = (
+    "audit_findings",
+    "call",
+    "count_finding",
+    "count_repair",
+    "freed",
+    "last_freed",
+    "log_notes",
+    "named",
+    "pool_repairs",
+    "repaired",
+    "then_log",
+    "where",
+)
+
+# Per pool, weakly: a pool's counters go with it.
+_repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+# The holder audit's findings in this process, by kind, whatever the policy did with them.
+_findings: dict[str, int] = dict.fromkeys(_errors.AUDIT_MISUSES, 0)
+
+# The last frees the guard passed, newest last: (the blocks, the caller's code and line).
+# The audit names the one that last released a block it finds shared; a step frees far
+# fewer batches than this.
+_FREES = 4096
+_frees: collections.deque[tuple[list[Any], Any, int]] = collections.deque(maxlen=_FREES)
+_PACKAGE = os.path.dirname(__file__)
+
+
+def pool_repairs(pool: object) -> dict[str, int]:
+    """The repairs the guard made on ``pool``, by kind (all 0 for a pool it never repaired)."""
+    return dict(_repairs.get(pool) or dict.fromkeys(_errors.POOL_MISUSES, 0))
+
+
+def audit_findings() -> dict[str, int]:
+    """What the holder audit found in this process, by kind, raised or repaired."""
+    return dict(_findings)
+
+
+def count_finding(kind: _errors.AuditMisuse) -> None:
+    _findings[kind] += 1
+
+
+# A repair to log: (message arguments). Logged once vLLM's method has run, so that
+# a logging handler that calls back into the pool finds it whole.
+Note = tuple[Any, ...]
+
+
+def repaired(
+    pool: Any, method: str, block: Any, kind: _errors.PoolMisuse, notes: list[Note]
+) -> int:
+    """Count a repair of ``kind`` on ``pool``, and note its log line; the pool's count of it."""
+    count = count_repair(pool, kind)
+    notes.append((call(method), kind, count, named(block), _errors.REPAIRED[kind], pool))
+    return count
+
+
+def count_repair(pool: Any, kind: _errors.PoolMisuse) -> int:
+    """Count a repair of ``kind`` on ``pool``; the pool's count of it."""
+    counts = _repairs.get(pool)
+    if counts is None:
+        counts = _repairs[pool] = dict.fromkeys(_errors.POOL_MISUSES, 0)
+    counts[kind] += 1
+    return counts[kind]
+
+
+def then_log(notes: list[Note], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """vLLM's method, then the repairs' log lines (even if it raised)."""
+    try:
+        return original(*args, **kwargs)
+    finally:
+        log_notes(notes)
+
+
+def log_notes(notes: list[Note]) -> None:
+    for *note, pool in notes:
+        _log.repaired(
+            "%s repaired a double free (%s #%d on this pool): block %s: %s. %s",
+            *note,
+            where(pool),
+        )
+
+
+def freed(blocks: list[Any]) -> None:
+    """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`."""
+    frame = sys._getframe(2)
+    _frees.append((blocks, frame.f_code, frame.f_lineno))
+
+
+def last_freed(block: object) -> str | None:
+    """Where the last guarded free of ``block`` that is still kept was called, or None."""
+    for blocks, code, line in reversed(_frees):
+        if any(found is block for found in blocks):
+            return _site(code.co_filename, line, code.co_name)
+    return None
+
+
+def named(block: Any) -> str:
+    """A block for a message: its ``block_id`` from its slot, else as ``describe`` has it;
+    no code of the block's runs."""
+    found = _errors.block_id(block)
+    return _errors.describe(block) if found is None else _errors.number(found)
+
+
+def call(method: str) -> str:
+    return f"BlockPool.{method}()"
+
+
+def where(pool: Any) -> str:
+    """Which pool, and the caller of the guarded method (the code that misused it)."""
+    # The first frame outside kvqueue (whose guards are the methods called) is the caller.
+    frame: Any = sys._getframe(1)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE:
+        frame = frame.f_back
+    site = "unknown"
+    if frame is not None:
+        site = _site(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+    blocks = getattr(pool, "num_gpu_blocks", "?")
+    return f"Pool: BlockPool at {id(pool):#x} ({blocks} blocks); called from {site}"
+
+
+def _site(filename: str, line: int, function: str) -> str:
+    # An installed package by its import path (vllm/v1/core/...), else the file's tail.
+    path = filename.replace("\\", "/")
+    path = path.rpartition("-packages/")[2] or path
+    return f"{'/'.join(path.split('/')[-4:])}:{line} in {function}"
