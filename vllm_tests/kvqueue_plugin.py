@@ -34,6 +34,8 @@ TWINS = ("none", "cython", "python")
 _RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "failed": 2, "error": 3}
 
 _expected: type | None = None
+# The holder audit's findings (kvqueue.vllm.audit_findings) and steps audited before a test.
+_audit_before: tuple[dict[str, int], int] | None = None
 # BlockPool's methods as installed (kvqueue's guards, or vLLM's own for ``none``): each test
 # must leave them in place. Taken by identity: kvqueue marks its guards no other way.
 _methods: dict[str, Any] = {}
@@ -100,8 +102,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
+    global _audit_before
     _built.clear()
+    _audit_before = _audit_state()
     return (yield)
+
+
+def _audit_state() -> tuple[dict[str, int], int] | None:
+    if _expected is kv_cache_utils.FreeKVCacheBlockQueue:
+        return None
+    import kvqueue.vllm
+
+    return kvqueue.vllm.audit_findings(), kvqueue.vllm.audited_steps()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -114,6 +126,14 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
               for name, method in _methods.items()
               if vars(block_pool.BlockPool).get(name) is not method]  # fmt: skip
     item.user_properties.append(("kvqueue_pools", len(_built)))
+    # vLLM's own tests must give the holder audit nothing to report (a test that expects an
+    # exception would otherwise hide one it raised).
+    after = _audit_state()
+    if after is not None and _audit_before is not None:
+        found = {k: n - _audit_before[0][k] for k, n in after[0].items() if n > _audit_before[0][k]}
+        if found:
+            wrong.append(f"the holder audit reported {found}")
+        item.user_properties.append(("kvqueue_audits", after[1] - _audit_before[1]))
     if wrong:
         raise AssertionError("kvqueue_plugin: " + "; ".join(sorted(wrong)))
     return result
@@ -124,6 +144,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call":
         outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
         entry["pools"] = dict(report.user_properties).get("kvqueue_pools", 0)
+        entry["audits"] = dict(report.user_properties).get("kvqueue_audits", 0)
     elif report.failed:
         outcome = "error"
     else:
@@ -146,9 +167,12 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     tests = sum(1 for entry in _results.values() if entry["pools"])
     pools = sum(entry["pools"] for entry in _results.values())
+    audited = sum(1 for entry in _results.values() if entry.get("audits"))
+    audits = sum(entry.get("audits", 0) for entry in _results.values())
     terminalreporter.write_line(
         f"kvqueue: {config.getoption('kvqueue')}: {tests} tests built {pools} block pools, "
-        f"each checked to hold {_expected!r}"
+        f"each checked to hold {_expected!r}; the holder audit ran {audits} times in "
+        f"{audited} tests and reported nothing"
     )
 
 

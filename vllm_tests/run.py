@@ -65,7 +65,7 @@ TWINS = ("none", "cython", "python")
 # kvqueue's own tests that an older line runs (vllm_tests/ whole on the venv's line): the
 # double frees on its own BlockPool. The plugin's loading is the same code on every line (each
 # line's install check: tests/test_vllm_dropin.py), and a probe of it costs a vLLM import.
-LINE_TESTS = ("test_double_free.py",)
+LINE_TESTS = ("test_double_free.py", "test_holder_audit.py")
 
 
 def in_scope(scope: str, line: Line) -> bool:
@@ -159,9 +159,13 @@ def compare(results: dict[str, dict[str, Any]], release: str) -> tuple[list[str]
         for entry in results[twin].values():
             tally[entry["outcome"]] = tally.get(entry["outcome"], 0) + 1
         pools = sum(1 for entry in results[twin].values() if entry["pools"])
-        counts[twin] = {**tally, "pools": pools}
+        audited = sum(1 for entry in results[twin].values() if entry.get("audits"))
+        counts[twin] = {**tally, "pools": pools, "audited": audited}
         summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(tally.items()))
-        print(f"vllm-tests {release} {twin:>6}: {summary}; {pools} tests built a BlockPool")
+        print(
+            f"vllm-tests {release} {twin:>6}: {summary}; {pools} tests built a BlockPool, "
+            f"{audited} ran the holder audit"
+        )
         if not pools:
             problems.append(f"{twin}: no test built a BlockPool")
         for name in sorted(passed[twins[0]] ^ passed[twin]):

@@ -18,6 +18,8 @@ from . import _errors, _log
 
 __all__ = (
     "audit_findings",
+    "audited_steps",
+    "count_audit",
     "call",
     "count_finding",
     "count_repair",
@@ -33,8 +35,10 @@ __all__ = (
 
 # Per pool, weakly: a pool's counters go with it.
 _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
-# The holder audit's findings in this process, by kind, whatever the policy did with them.
+# The holder audit's findings in this process, by kind, whatever the policy did with them,
+# and the steps it audited.
 _findings: dict[str, int] = dict.fromkeys(_errors.AUDIT_MISUSES, 0)
+_audited = [0]
 
 # The last frees the guard passed, newest last: (the blocks, the caller's code and line).
 # The audit names the one that last released a block it finds shared; a step frees far
@@ -52,6 +56,15 @@ def pool_repairs(pool: object) -> dict[str, int]:
 def audit_findings() -> dict[str, int]:
     """What the holder audit found in this process, by kind, raised or repaired."""
     return dict(_findings)
+
+
+def audited_steps() -> int:
+    """How many scheduler steps the holder audit read in this process."""
+    return _audited[0]
+
+
+def count_audit() -> None:
+    _audited[0] += 1
 
 
 def count_finding(kind: _errors.AuditMisuse) -> None:

@@ -61,6 +61,7 @@ def audit_holders(manager: Any, screen: ModuleType, policy_of: Callable[[Any], s
     Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
     ``ref_cnt`` that is no integer; O(listed blocks).
     """
+    _report.count_audit()
     coordinator = manager.coordinator
     pool = coordinator.block_pool
     blocks = pool.blocks

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from . import _foreign, _log, _policy, _pool_guard, _vllm_lines
 from ._block import check_block_type
 from ._errors import HolderAuditError
-from ._report import audit_findings, pool_repairs
+from ._report import audit_findings, audited_steps, pool_repairs
 from ._vllm_lines import Line, VLLMLayoutError
 from ._vllm_plugin import plugin
 
@@ -43,6 +43,7 @@ __all__ = (
     "Implementation",
     "VLLMLayoutError",
     "audit_findings",
+    "audited_steps",
     "check",
     "install",
     "patched",

@@ -1,0 +1,131 @@
+"""A block held by two requests, on vLLM's own ``Scheduler``: what each contender does.
+
+Run by ``test_holder_audit.py`` in its own process, from the root of the installed line's
+own test files (``sdist.tests_root``), whose ``tests/v1/core/utils.py`` builds the scheduler
+(``create_scheduler(enable_prefix_caching=True, num_blocks=40)``) and the requests, as vLLM's
+scheduler tests do. Prints one JSON object: per form, contender and policy, what happened.
+
+The forms, each a free that releases a reference a live request still holds:
+
+* ``shared``: requests A and B share a cached prefix block (``ref_cnt`` 2); a connector-like
+  caller frees it once more in a call of its own (2 -> 1, legal at that moment); A is aborted
+  (1 -> 0: queued free while B lists it); C asks for every free block and is scheduled.
+* ``single``: a connector frees a running request's only reference to its first block; C
+  asks for every free block.
+
+Then B (or the running request) is aborted and the scheduler steps once more: C is served.
+After every step the pool is checked: its count against its free list, and which blocks
+two live requests list.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from typing import Any
+
+warnings.simplefilter("ignore")
+
+from tests.v1.core.utils import create_requests, create_scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import kvqueue.vllm  # noqa: E402
+
+BLOCK = 16
+ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+def listed(scheduler: Any) -> dict[str, list[int]]:
+    """Each live request's block ids, over every manager."""
+    tables: dict[str, list[int]] = {}
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        for request, blocks in manager.req_to_blocks.items():
+            tables.setdefault(request, []).extend(b.block_id for b in blocks if not b.is_null)
+    return tables
+
+
+def over_held(scheduler: Any) -> list[int]:
+    """The blocks more live requests list than hold a reference (two holders, one count)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    holders: dict[int, int] = {}
+    for ids in listed(scheduler).values():
+        for block_id in ids:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    return sorted(b for b, n in holders.items() if n > pool.blocks[b].ref_cnt)
+
+
+def pool_state(scheduler: Any) -> dict[str, Any]:
+    pool = scheduler.kv_cache_manager.block_pool
+    free = pool.free_block_queue.get_all_free_blocks()
+    return {
+        "count_is_list": pool.get_num_free_blocks() == len(free),
+        "over_held": over_held(scheduler),
+    }
+
+
+def step(scheduler: Any, states: list[dict[str, Any]]) -> Any:
+    try:
+        return scheduler.schedule()
+    finally:
+        states.append(pool_state(scheduler))
+
+
+def run(form: str) -> dict[str, Any]:
+    scheduler = create_scheduler(enable_prefix_caching=True, num_blocks=40)
+    pool = scheduler.kv_cache_manager.block_pool
+    states: list[dict[str, Any]] = []
+    a, b = create_requests(2, num_tokens=2 * BLOCK + 8, same_prompt=True, req_ids=["A", "B"])
+    scheduler.add_request(a)
+    step(scheduler, states)
+    holder = "A"
+    if form == "shared":
+        scheduler.add_request(b)
+        step(scheduler, states)
+        holder = "B"
+    table = listed(scheduler)
+    victim = next(i for i in table[holder] if form == "single" or i in table["A"])
+    block = pool.blocks[victim]
+    refs_before = block.ref_cnt
+    pool.free_blocks([block])  # the connector-like caller's extra free
+    if form == "shared":
+        scheduler.finish_requests("A", ABORTED)
+    wanted = pool.get_num_free_blocks()
+    (c,) = create_requests(3, num_tokens=wanted * BLOCK, req_ids=["x", "y", "C"])[2:]
+    scheduler.add_request(c)
+    result: dict[str, Any] = {"block": victim, "holder": holder, "refs_before": refs_before}
+    try:
+        step(scheduler, states)
+    except Exception as exc:  # noqa: BLE001 - what raised is the result
+        result["raised"] = f"{type(exc).__name__}: {exc}"
+    table = listed(scheduler)
+    result["c_has_block"] = victim in table.get("C", [])
+    result["holder_has_block"] = victim in table.get(holder, [])
+    result["ref_cnt"] = block.ref_cnt
+    result["in_free_list"] = block.prev_free_block is not None
+    result["repairs"] = {k: v for k, v in kvqueue.vllm.pool_repairs(pool).items() if v}
+    if "raised" not in result:
+        scheduler.finish_requests(holder, ABORTED)
+        step(scheduler, states)
+        result["c_served"] = len(listed(scheduler).get("C", [])) == wanted
+    result["states"] = states
+    return result
+
+
+def main() -> None:
+    forms = sys.argv[1].split(",")
+    results: dict[str, Any] = {}
+    for contender in ("vllm", "cython", "python"):
+        for policy in ("raise", "repair") if contender != "vllm" else ("-",):
+            if contender == "vllm":
+                kvqueue.vllm.uninstall()
+            else:
+                kvqueue.vllm.install(contender, on_misuse=policy)
+            for form in forms:
+                results[f"{form}/{contender}/{policy}"] = run(form)
+    kvqueue.vllm.uninstall()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The holder audit on vLLM's own ``Scheduler``: a block held by two requests, per contender.
+
+Every line runs this (``run.py``'s LINE_TESTS). The scenario (``holder_scenario.py``) runs in
+its own process from the line's own test files, whose ``create_scheduler`` builds the
+scheduler; it is run once and its results shared. Forms: ``shared`` (a cached prefix block of
+A and B freed once more, A aborted, C asks for every free block) and ``single`` (a running
+request's only reference freed by a connector-like caller).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    pytest.importorskip("vllm")
+pytest.importorskip("kvqueue.vllm")
+
+import hub
+import sdist
+
+from kvqueue._vllm_lines import find
+
+LINE = find(version("vllm"))
+assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
+HERE = Path(__file__).resolve().parent
+FORMS = ("shared", "single")
+KVQUEUE = ("cython", "python")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    assert LINE is not None
+    root = sdist.tests_root(LINE.release)
+    home = tmp_path_factory.mktemp("hf-home")
+    hub.write(home)
+    path = [str(root), str(HERE), os.environ.get("PYTHONPATH", "")]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in path if p),
+        HF_HOME=str(home),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_TARGET_DEVICE="cpu",
+    )
+    env.pop("KVQUEUE_ON_MISUSE", None)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "holder_scenario.py"), ",".join(FORMS)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return found
+
+
+def over_held(run: dict[str, Any]) -> list[list[int]]:
+    return [state["over_held"] for state in run["states"] if state["over_held"]]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_vllm_alone_hands_the_block_to_a_second_request(results: dict[str, Any], form: str) -> None:
+    run = results[f"{form}/vllm/-"]
+    assert "raised" not in run
+    assert run["c_has_block"] and run["holder_has_block"]
+    assert run["ref_cnt"] == 1  # two live requests list it
+    assert [run["block"]] in over_held(run)
+
+
+@pytest.mark.parametrize("twin", KVQUEUE)
+@pytest.mark.parametrize("form", FORMS)
+def test_raise_stops_the_step_before_the_block_is_handed_out(
+    results: dict[str, Any], form: str, twin: str
+) -> None:
+    run = results[f"{form}/{twin}/raise"]
+    message = run["raised"]
+    assert message.startswith("HolderAuditError: kvqueue's holder audit, before the scheduler")
+    assert f"block {run['block']} is in the free list (ref_cnt 0)" in message
+    assert f"request '{run['holder']}'" in message
+    assert "sched/scheduler.py" in message  # the step it stopped
+    if form == "shared":  # the abort's free, which the guard saw
+        assert "single_type_kv_cache_manager.py" in message
+    assert not run["c_has_block"] and run["holder_has_block"]
+    assert run["in_free_list"] and run["ref_cnt"] == 0  # nothing was changed
+    assert all(state["count_is_list"] for state in run["states"])
+
+
+@pytest.mark.parametrize("twin", KVQUEUE)
+@pytest.mark.parametrize("form", FORMS)
+def test_repair_keeps_the_block_with_its_holder(
+    results: dict[str, Any], form: str, twin: str
+) -> None:
+    run = results[f"{form}/{twin}/repair"]
+    assert "raised" not in run
+    assert run["holder_has_block"] and not run["c_has_block"]
+    assert run["ref_cnt"] == 1 and not run["in_free_list"]
+    assert run["repairs"] == {"listed_free": 1}
+    assert not over_held(run)
+    assert all(state["count_is_list"] for state in run["states"])
+    assert run["c_served"]  # once the holder is done, C gets every block it asked for
