@@ -1,0 +1,303 @@
+"""The holder audit: ``holder_faults`` (both screens) against an oracle that recounts the slow
+way, and the rule (``_rules.audit_holders``) on a stand-in pool under both policies.
+
+The real ``Scheduler`` of every line is vllm_tests/test_holder_audit.py's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections import defaultdict
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvqueue import _errors, _report, _rules
+from kvqueue._vllm_lines import LINES
+
+from support.fake_pool import consistent, make_pool, policy_of, pool_class, screen_of, state
+
+NEWEST = LINES[-1]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("kvqueue._screen", id="c", marks=pytest.mark.c_extension),
+        pytest.param("kvqueue._screen_py", id="py"),
+    ],
+)
+def screen(request: pytest.FixtureRequest) -> ModuleType:
+    return importlib.import_module(request.param)
+
+
+class Block:
+    """A block whose fields live in an instance dict: the compiled screen reads them as the
+    pure one does, with getattr."""
+
+    def __init__(self, block_id: int, ref_cnt: int = 0, *, is_null: bool = False) -> None:
+        self.block_id = block_id
+        self.ref_cnt = ref_cnt
+        self.is_null = is_null
+        self.prev_free_block: Any = None
+        self.next_free_block: Any = None
+
+
+class SlottedBlock:
+    """Laid out as vLLM's @dataclass(slots=True) block: the compiled screen reads its slots."""
+
+    __slots__ = ("block_id", "is_null", "next_free_block", "prev_free_block", "ref_cnt")
+    __init__ = Block.__init__
+
+
+@pytest.fixture(params=[Block, SlottedBlock], ids=["dict", "slots"])
+def block_class(request: pytest.FixtureRequest) -> type:
+    return request.param  # type: ignore[no-any-return]
+
+
+def blocks_of(block_class: type, n: int) -> list[Any]:
+    made = [block_class(i) for i in range(n)]
+    made[0].is_null = True
+    return made
+
+
+def oracle(pool_blocks: list[Any], tables: list[dict[Any, list[Any]]]) -> list[tuple[str, Any]]:
+    """What holder_faults must find, recounted listing by listing with plain containers."""
+    found: list[tuple[str, Any]] = []
+    reported: list[Any] = []
+    listings: list[tuple[int, int, Any]] = []  # (manager, holder, block)
+    holder = 0
+    for group, table in enumerate(tables):
+        for blocks in table.values():
+            holder += 1
+            listings += [(group, holder, b) for b in blocks]
+    earlier: list[tuple[int, int, Any]] = []
+    for group, who, block in listings:
+        if block.is_null or not (0 <= block.block_id < len(pool_blocks)):
+            continue
+        if pool_blocks[block.block_id] is not block:
+            continue
+        mine = [(g, h) for g, h, b in earlier if b is block]
+        earlier.append((group, who, block))
+        if any(b is block for b in reported):
+            continue
+        kind = None
+        if not mine:
+            kind = "listed_free" if block.prev_free_block is not None else None
+        elif who in {h for _, h in mine}:
+            kind = "listed_twice"
+        elif mine[0][0] != group:
+            kind = "two_managers"
+        if kind is None and type(block.ref_cnt) is not int:
+            kind = "bad_count"
+        elif kind is None and len(mine) + 1 > block.ref_cnt:
+            kind = "under_counted"
+        if kind is not None:
+            reported.append(block)
+            found.append((kind, block))
+    return found
+
+
+def test_a_sound_cache_has_nothing_to_report(screen: ModuleType, block_class: type) -> None:
+    pool = blocks_of(block_class, 8)
+    for block in pool[1:4]:
+        block.ref_cnt = 2  # a cached prefix two requests share
+    pool[4].ref_cnt = 3  # and a third holder that lists nothing (a connector's pin)
+    pool[5].ref_cnt = 1
+    table = {"A": [pool[0], pool[1], pool[2], pool[4]], "B": [pool[1], pool[2], pool[3]]}
+    assert screen.holder_faults(pool, [table, {"A": [pool[0], pool[5]]}]) == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "plant"),
+    [
+        ("listed_free", lambda p: setattr(p[2], "prev_free_block", p[1])),
+        ("listed_twice", lambda p: None),
+        ("two_managers", lambda p: None),
+        ("under_counted", lambda p: setattr(p[3], "ref_cnt", 1)),
+        ("bad_count", lambda p: setattr(p[2], "ref_cnt", 1.0)),
+    ],
+)
+def test_each_fault_is_found_once(screen: ModuleType, block_class: type, kind: str, plant: Any) -> None:
+    pool = blocks_of(block_class, 6)
+    for block in pool[1:]:
+        block.ref_cnt = 2
+    plant(pool)
+    first = {"A": [pool[1], pool[2]], "B": [pool[3], pool[2]], "C": [pool[3]]}
+    second: dict[str, list[Any]] = {}
+    if kind == "listed_twice":
+        first["A"].append(pool[1])
+    if kind == "two_managers":
+        second["A"] = [pool[4]]
+        first["B"].append(pool[4])
+    tables = [first, second]
+    found = screen.holder_faults(pool, tables)
+    assert found == oracle(pool, tables)
+    assert [k for k, _ in found] == [kind]
+
+
+def test_null_blocks_and_other_pools_blocks_are_not_counted(
+    screen: ModuleType, block_class: type
+) -> None:
+    pool = blocks_of(block_class, 4)
+    other = blocks_of(block_class, 4)
+    other[1].prev_free_block = other[2]  # free in its own pool
+    stray = block_class(99)
+    table = {"A": [pool[0], pool[0], other[1], stray], "B": [pool[0]]}
+    assert screen.holder_faults(pool, [table]) == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_seeded_caches_match_the_oracle(screen: ModuleType, block_class: type, seed: int) -> None:
+    rng = random.Random(seed)
+    pool = blocks_of(block_class, rng.randint(2, 40))
+    for block in pool[1:]:
+        block.ref_cnt = rng.choice([0, 1, 1, 2, 3, -1])
+        if rng.random() < 0.1:
+            block.prev_free_block = pool[0]
+    tables: list[dict[Any, list[Any]]] = []
+    for _ in range(rng.randint(1, 3)):
+        table: dict[Any, list[Any]] = defaultdict(list)
+        for request in range(rng.randint(0, 6)):
+            table[request] = [rng.choice(pool) for _ in range(rng.randint(0, 8))]
+        tables.append(table)
+    assert screen.holder_faults(pool, tables) == oracle(pool, tables)
+
+
+class Hostile:
+    """A block whose ``is_null`` runs code: it empties its holder's list, audits again
+    (the compiled screen then works in a table of its own), and drops the pool's blocks."""
+
+    def __init__(self, block_id: int, victims: list[Any], screen: ModuleType) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 1
+        self.prev_free_block = None
+        self.victims = victims
+        self.screen = screen
+
+    @property
+    def is_null(self) -> bool:
+        pool, listed = self.victims
+        inner = self.screen.holder_faults(pool, [{"X": list(listed)}])
+        assert all(kind != "bad_count" for kind, _ in inner)
+        listed.clear()
+        pool[:] = [None] * len(pool)
+        return False
+
+
+def test_code_a_block_runs_changes_nothing_it_already_read(
+    screen: ModuleType, block_class: type
+) -> None:
+    pool = blocks_of(block_class, 6)
+    for block in pool[1:]:
+        block.ref_cnt = 1
+    listed: list[Any] = [pool[1], pool[1]]
+    hostile = Hostile(5, [pool, listed], screen)
+    pool[5] = hostile
+    table = {"A": listed, "B": [hostile, pool[2], pool[2]], "C": [pool[3]]}
+    found = screen.holder_faults(pool, [table])
+    # A lists block 1 twice; the hostile block then emptied A's list and the pool.
+    assert [(kind, block.block_id) for kind, block in found] == [("listed_twice", 1)]
+    assert listed == []
+
+
+# -- the rule, on a stand-in pool ---------------------------------------------------------------
+
+
+def manager_of(pool: Any, managers: int = 1, name: str = "FullAttentionManager") -> Any:
+    kind = type(name, (), {})
+    single = []
+    for _ in range(managers):
+        each = kind()
+        each.block_pool = pool
+        each.req_to_blocks = defaultdict(list)
+        single.append(each)
+    coordinator = SimpleNamespace(block_pool=pool, single_type_managers=tuple(single))
+    return SimpleNamespace(coordinator=coordinator)
+
+
+def shared_fault(queue_mod: ModuleType, policy: str) -> tuple[Any, Any, Any]:
+    """Requests A and B share a block; it is freed once too often (A's count gone), so it
+    is free while B lists it."""
+    cls = pool_class(NEWEST)
+    pool = make_pool(cls, queue_mod, 8, policy)
+    manager = manager_of(pool)
+    (table,) = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
+    a = pool.get_new_blocks(2)
+    pool.touch(a[:1])
+    table["A"] = list(a)
+    table["B"] = [a[0]]
+    pool.free_blocks([a[0]])  # a connector's extra free
+    pool.free_blocks(table.pop("A")[::-1])  # A aborted
+    return pool, manager, a[0]
+
+
+def test_raise_names_the_block_and_its_holder_and_changes_nothing(
+    queue_mod: ModuleType,
+) -> None:
+    pool, manager, block = shared_fault(queue_mod, "raise")
+    before = state(pool)
+    findings = _report.audit_findings()
+    with pytest.raises(_errors.HolderAuditError) as caught:
+        _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    message = str(caught.value)
+    assert f"block {block.block_id} is in the free list (ref_cnt 0)" in message
+    assert "request 'B' (FullAttentionManager)" in message
+    assert "Nothing was changed" in message and "Pool: BlockPool at" in message
+    assert state(pool) == before
+    assert _report.audit_findings()["listed_free"] == findings["listed_free"] + 1
+
+
+def test_repair_keeps_the_block_with_its_holder(queue_mod: ModuleType, repair_log: Any) -> None:
+    pool, manager, block = shared_fault(queue_mod, "repair")
+    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    assert block.ref_cnt == 1 and block.prev_free_block is None
+    consistent(pool)
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+    (record,) = repair_log.records
+    assert "holder audit repaired a shared block (listed_free #1 on this pool)" in record.message
+    assert "taken out of the free list, ref_cnt 0 -> 1" in record.message
+    # Nothing left to find: a second audit is silent.
+    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+
+
+def test_repair_raises_a_count_to_its_holders(queue_mod: ModuleType) -> None:
+    pool = make_pool(pool_class(NEWEST), queue_mod, 8, "repair")
+    manager = manager_of(pool, managers=2)
+    first, second = (m.req_to_blocks for m in manager.coordinator.single_type_managers)
+    (block,) = pool.get_new_blocks(1)
+    first["A"] = [block]
+    second["A"] = [block]  # one block in two managers (vLLM issue 43884)
+    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    assert block.ref_cnt == 2
+    assert _report.pool_repairs(pool)["two_managers"] == 1
+    consistent(pool)
+
+
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_a_count_that_is_no_integer_is_refused_under_either_policy(
+    queue_mod: ModuleType, policy: str
+) -> None:
+    pool = make_pool(pool_class(NEWEST), queue_mod, 8, policy)
+    manager = manager_of(pool)
+    (block,) = pool.get_new_blocks(1)
+    manager.coordinator.single_type_managers[0].req_to_blocks["A"] = [block]
+    block.ref_cnt = "1"
+    before = state(pool)
+    with pytest.raises(TypeError, match="ref_cnt of str '1', not an integer"):
+        _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    assert state(pool) == before
+
+
+@pytest.mark.parametrize("name", ["HiSparseResidentManager", "HiSparseHotManager"])
+def test_hisparse_unpinned_pages_are_not_reported(queue_mod: ModuleType, name: str) -> None:
+    pool = make_pool(pool_class(NEWEST), queue_mod, 8, "raise")
+    manager = manager_of(pool, name=name)
+    (block,) = pool.get_new_blocks(1)
+    manager.coordinator.single_type_managers[0].req_to_blocks["A"] = [block]
+    pool.unpin_blocks([block], lambda b: None)  # read on, counted free: on purpose
+    assert block.prev_free_block is not None
+    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
