@@ -120,7 +120,9 @@ def test_a_sound_cache_has_nothing_to_report(screen: ModuleType, block_class: ty
         ("bad_count", lambda p: setattr(p[2], "ref_cnt", 1.0)),
     ],
 )
-def test_each_fault_is_found_once(screen: ModuleType, block_class: type, kind: str, plant: Any) -> None:
+def test_each_fault_is_found_once(
+    screen: ModuleType, block_class: type, kind: str, plant: Any
+) -> None:
     pool = blocks_of(block_class, 6)
     for block in pool[1:]:
         block.ref_cnt = 2
@@ -245,7 +247,8 @@ def test_raise_names_the_block_and_its_holder_and_changes_nothing(
     message = str(caught.value)
     assert f"block {block.block_id} is in the free list (ref_cnt 0)" in message
     assert "request 'B' (FullAttentionManager)" in message
-    assert "Nothing was changed" in message and "Pool: BlockPool at" in message
+    assert "Nothing was changed" in message
+    assert "Pool: BlockPool at" in message
     assert state(pool) == before
     assert _report.audit_findings()["listed_free"] == findings["listed_free"] + 1
 
@@ -253,7 +256,8 @@ def test_raise_names_the_block_and_its_holder_and_changes_nothing(
 def test_repair_keeps_the_block_with_its_holder(queue_mod: ModuleType, repair_log: Any) -> None:
     pool, manager, block = shared_fault(queue_mod, "repair")
     _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
-    assert block.ref_cnt == 1 and block.prev_free_block is None
+    assert block.ref_cnt == 1
+    assert block.prev_free_block is None
     consistent(pool)
     assert _report.pool_repairs(pool)["listed_free"] == 1
     (record,) = repair_log.records

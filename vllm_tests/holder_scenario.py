@@ -96,7 +96,7 @@ def run(form: str) -> dict[str, Any]:
     result: dict[str, Any] = {"block": victim, "holder": holder, "refs_before": refs_before}
     try:
         step(scheduler, states)
-    except Exception as exc:  # noqa: BLE001 - what raised is the result
+    except Exception as exc:
         result["raised"] = f"{type(exc).__name__}: {exc}"
     table = listed(scheduler)
     result["c_has_block"] = victim in table.get("C", [])

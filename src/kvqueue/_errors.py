@@ -57,6 +57,7 @@ class HolderAuditError(RuntimeError):
     """The holder audit found a block that a live request lists in the free list, or
     listed more times than it is held, before a scheduler step handed anything out."""
 
+
 _qualname = type.__dict__["__qualname__"].__get__
 _namespace = type.__dict__["__dict__"].__get__
 _BOUND = slice(0, 80)

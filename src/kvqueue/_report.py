@@ -19,8 +19,8 @@ from . import _errors, _log
 __all__ = (
     "audit_findings",
     "audited_steps",
-    "count_audit",
     "call",
+    "count_audit",
     "count_finding",
     "count_repair",
     "freed",

@@ -39,7 +39,9 @@ __all__ = ("audit_holders",)
 
 # The manager classes whose listed pages may be free (HiSparse's unpinned pages), by name,
 # so that no vLLM module is imported to know them.
-_UNPINNING = frozenset(("_HiSparseAuxiliaryManager", "HiSparseResidentManager", "HiSparseHotManager"))
+_UNPINNING = frozenset(
+    ("_HiSparseAuxiliaryManager", "HiSparseResidentManager", "HiSparseHotManager")
+)
 _unpins_cache: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 # Holders named in a message, at most.
 _SHOWN = 4
@@ -98,15 +100,16 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         listed = holders[id(block)]
         refs = block.ref_cnt
         what = _what(kind, block, listed)
-        done = []
+        steps = []
         if block.prev_free_block is not None:
             queue.remove(block)
-            done.append("taken out of the free list")
+            steps.append("taken out of the free list")
         if refs < len(listed):
             block.ref_cnt = len(listed)
-            done.append(f"ref_cnt {_errors.number(refs)} -> {len(listed)}")
+            steps.append(f"ref_cnt {_errors.number(refs)} -> {len(listed)}")
         count = _report.count_repair(pool, kind)
-        lines.append((kind, count, _report.named(block), what, ", ".join(done) or "nothing to do"))
+        done = ", ".join(steps) or "its ref_cnt covers its holders already; counted only"
+        lines.append((kind, count, _report.named(block), what, done))
     where = _report.where(pool)
     for kind, count, name, what, done in lines:
         _log.repaired(

@@ -243,7 +243,15 @@ def _checked(
     assert isinstance(block_class, type)
     bound = _queue_name(queue_class, block_class, on_misuse)
     return _Installed(
-        name, queue_class, on_misuse, line, bound, original, pool_class, {}, wrap_foreign,
+        name,
+        queue_class,
+        on_misuse,
+        line,
+        bound,
+        original,
+        pool_class,
+        {},
+        wrap_foreign,
         manager_class,
     )
 
@@ -282,9 +290,7 @@ def _guard(state: _Installed, screen: ModuleType) -> None:
 def _originals(state: _Installed, wrap_foreign: bool) -> None:
     """Raise as the guard would on a patched method of either class; change nothing."""
     _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
-    _pool_guard.originals(
-        state.manager_class, wrap_foreign=wrap_foreign, names=_pool_guard.AUDITED
-    )
+    _pool_guard.originals(state.manager_class, wrap_foreign=wrap_foreign, names=_pool_guard.AUDITED)
 
 
 def _unguard(state: _Installed) -> None:
