@@ -6,6 +6,7 @@
 #   make lint             ruff, mypy, cython-lint (the lint extra), in .venv-lint-<python>
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-screens    the guard's compiled screen against a baseline (bench/screens.py)
+#   make bench-audit      the holder audit's screen by blocks listed, both twins (bench/audit.py)
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
 #   make bench-engine     a live vLLM engine's throughput per queue (bench/throughput.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
@@ -41,7 +42,7 @@ PIP := -m pip install -q
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
-.PHONY: test bench bench-screens bench-scheduler bench-engine demo lint memcheck py314 vllm-tests vllm-matrix clean
+.PHONY: test bench bench-screens bench-audit bench-scheduler bench-engine demo lint memcheck py314 vllm-tests vllm-matrix clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv --clear $(VENV)
@@ -86,6 +87,9 @@ bench: $(BENCH_VENV)/.ready
 # The pool guard's compiled free-path screen (first_excess), against --baseline REV's build.
 bench-screens: $(BENCH_VENV)/.ready
 	$(WITH_VLLM_TESTS) $(BENCH_PY) bench/screens.py $(BENCH_ARGS)
+
+bench-audit: $(BENCH_VENV)/.ready
+	$(BENCH_PY) bench/audit.py $(BENCH_ARGS)
 
 # vLLM's own Scheduler on the CPU: vLLM's queue, each twin with the pool guard off and on.
 bench-scheduler:

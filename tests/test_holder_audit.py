@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import random
 from collections import defaultdict
+from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -17,7 +18,15 @@ import pytest
 from kvqueue import _errors, _report, _rules
 from kvqueue._vllm_lines import LINES
 
-from support.fake_pool import consistent, make_pool, policy_of, pool_class, screen_of, state
+from support.fake_pool import (
+    consistent,
+    guarded,
+    make_pool,
+    policy_of,
+    pool_class,
+    screen_of,
+    state,
+)
 
 NEWEST = LINES[-1]
 
@@ -217,7 +226,12 @@ def manager_of(pool: Any, managers: int = 1, name: str = "FullAttentionManager")
         each.req_to_blocks = defaultdict(list)
         single.append(each)
     coordinator = SimpleNamespace(block_pool=pool, single_type_managers=tuple(single))
-    return SimpleNamespace(coordinator=coordinator)
+    return KVCacheManager(coordinator)
+
+
+class KVCacheManager:
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
 
 
 def shared_fault(queue_mod: ModuleType, policy: str) -> tuple[Any, Any, Any]:
@@ -305,3 +319,63 @@ def test_hisparse_unpinned_pages_are_not_reported(queue_mod: ModuleType, name: s
     pool.unpin_blocks([block], lambda b: None)  # read on, counted free: on purpose
     assert block.prev_free_block is not None
     _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_only_the_freed_blocks_are_read_between_full_audits(
+    screen: ModuleType, block_class: type, seed: int
+) -> None:
+    rng = random.Random(seed)
+    pool = blocks_of(block_class, 30)
+    for block in pool[1:]:
+        block.ref_cnt = rng.choice([0, 1, 2])
+    table = {r: [rng.choice(pool) for _ in range(6)] for r in range(5)}
+    only = [rng.sample(pool, 4), rng.sample(pool, 3)]
+    wanted = {id(b) for batch in only for b in batch}
+    restricted = {r: [b for b in blocks if id(b) in wanted] for r, blocks in table.items()}
+    assert screen.holder_faults(pool, [table], only) == oracle(pool, [restricted])
+
+
+def audited_pool(queue_mod: ModuleType, policy: str) -> Iterator[tuple[Any, Any]]:
+    with guarded(queue_mod, NEWEST) as cls:
+        pool = make_pool(cls, queue_mod, 16, policy)
+        yield pool, manager_of(pool, managers=2)
+
+
+@pytest.fixture
+def audited(queue_mod: ModuleType) -> Iterator[tuple[Any, Any]]:
+    yield from audited_pool(queue_mod, "repair")
+
+
+def step(queue_mod: ModuleType, manager: Any, every: int) -> None:
+    _rules.audit_holders(manager, screen_of(queue_mod), policy_of, every)
+
+
+def test_a_guarded_free_of_a_held_block_is_found_at_the_next_step(
+    queue_mod: ModuleType, audited: tuple[Any, Any]
+) -> None:
+    pool, manager = audited
+    table = manager.coordinator.single_type_managers[0].req_to_blocks
+    step(queue_mod, manager, 64)  # the first audit of a manager reads everything
+    table["A"] = pool.get_new_blocks(3)
+    step(queue_mod, manager, 64)  # nothing freed: nothing read
+    pool.free_blocks(table["A"][1:2])  # a connector frees A's only reference
+    step(queue_mod, manager, 64)
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+    consistent(pool)
+
+
+def test_a_listing_made_without_a_reference_waits_for_the_full_audit(
+    queue_mod: ModuleType, audited: tuple[Any, Any]
+) -> None:
+    pool, manager = audited
+    first, second = (m.req_to_blocks for m in manager.coordinator.single_type_managers)
+    step(queue_mod, manager, 4)
+    first["A"] = pool.get_new_blocks(2)
+    second["A"] = first["A"][:1]  # listed by two managers, one reference: no free shows it
+    for _ in range(3):
+        step(queue_mod, manager, 4)
+        assert _report.pool_repairs(pool)["two_managers"] == 0
+    step(queue_mod, manager, 4)  # the fourth step since the last full audit
+    assert _report.pool_repairs(pool)["two_managers"] == 1
+    consistent(pool)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import TypeVar
 
 __all__ = (
+    "AUDIT_EVERY",
     "FLAG",
     "MEANINGS",
     "MISUSE_POLICY",
@@ -34,6 +35,7 @@ MISUSE_POLICY = "KVQUEUE_ON_MISUSE"
 VLLM = "KVQUEUE_VLLM"
 POOL_GUARD = "KVQUEUE_POOL_GUARD"
 WRAP_FOREIGN = "KVQUEUE_WRAP_FOREIGN"
+AUDIT_EVERY = "KVQUEUE_AUDIT_EVERY"
 
 #: Every variable a user sets, in the order ``python -m kvqueue`` and the README list them,
 #: with what it does (the README's table of settings is checked against these).
@@ -42,10 +44,16 @@ MEANINGS: Mapping[str, str] = {
     "does not start); auto: installs, or stays off with a warning; 0 or unset: off",
     MISUSE_POLICY: "raise (default) or repair: the misuse policy of queues and pool guards",
     POOL_GUARD: "0: the vLLM plugin leaves BlockPool's methods unguarded (1 or unset: guarded)",
+    AUDIT_EVERY: "1, 2, 4, ... 1024: steps between the holder audit's full reads (64 or unset); "
+    "the steps between read only the blocks freed since",
     WRAP_FOREIGN: "1: the vLLM plugin installs over another project's patch (0 or unset: refuses)",
     PURE: "1: import kvqueue loads the pure twin (0 or unset: the compiled one)",
 }
 USER = tuple(MEANINGS)
+
+#: The values of KVQUEUE_AUDIT_EVERY, and its default.
+EVERY: Mapping[str, int] = {str(1 << k): 1 << k for k in range(11)}
+EVERY_DEFAULT = 64
 
 #: The values of an on/off variable.
 FLAG: Mapping[str, bool] = {"1": True, "0": False}

@@ -305,10 +305,11 @@ def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     audit = _rules.audit_holders
     screen = made.screen
+    every = _rules.audit_every()
 
     def new_step_starts(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not made.retired:
-            audit(self, screen, made.policy_of)
+            audit(self, screen, made.policy_of, every)
         return original(self, *args, **kwargs)
 
     return _wrapped(made, new_step_starts)

@@ -8,6 +8,7 @@ read nothing back but the counts.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import sys
 import weakref
@@ -24,10 +25,12 @@ __all__ = (
     "count_finding",
     "count_repair",
     "freed",
+    "frees_made",
     "last_freed",
     "log_notes",
     "named",
     "pool_repairs",
+    "recent_frees",
     "repaired",
     "then_log",
     "where",
@@ -45,6 +48,7 @@ _audited = [0]
 # fewer batches than this.
 _FREES = 4096
 _frees: collections.deque[tuple[list[Any], Any, int]] = collections.deque(maxlen=_FREES)
+_freed_total = [0]
 _PACKAGE = os.path.dirname(__file__)
 
 
@@ -115,6 +119,19 @@ def freed(blocks: list[Any]) -> None:
     """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`."""
     frame = sys._getframe(2)
     _frees.append((blocks, frame.f_code, frame.f_lineno))
+    _freed_total[0] += 1
+
+
+def frees_made() -> int:
+    """How many guarded frees this process made: the audit keeps its place by it."""
+    return _freed_total[0]
+
+
+def recent_frees(n: int) -> list[list[Any]] | None:
+    """The blocks of the last ``n`` guarded frees, or None if fewer are kept."""
+    if n > len(_frees):
+        return None
+    return [entry[0] for entry in itertools.islice(_frees, len(_frees) - n, None)]
 
 
 def last_freed(block: object) -> str | None:

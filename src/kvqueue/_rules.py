@@ -33,9 +33,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import _errors, _log, _report
+from . import _env, _errors, _log, _report
 
-__all__ = ("audit_holders",)
+__all__ = ("audit_every", "audit_holders")
 
 # The manager classes whose listed pages may be free (HiSparse's unpinned pages), by name,
 # so that no vLLM module is imported to know them.
@@ -43,6 +43,9 @@ _UNPINNING = frozenset(
     ("_HiSparseAuxiliaryManager", "HiSparseResidentManager", "HiSparseHotManager")
 )
 _unpins_cache: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+# Per KVCacheManager: the guarded frees made when it was last audited, and the steps since
+# its last full audit.
+_places: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 # Holders named in a message, at most.
 _SHOWN = 4
 
@@ -56,12 +59,26 @@ def _unpins(manager_class: type) -> bool:
     return found
 
 
-def audit_holders(manager: Any, screen: ModuleType, policy_of: Callable[[Any], str]) -> None:
+def audit_every() -> int:
+    """Steps between full audits: ``KVQUEUE_AUDIT_EVERY``, read when the guard is made.
+    Raises ValueError for a value it does not take."""
+    return _env.choice(_env.AUDIT_EVERY, _env.EVERY, _env.EVERY_DEFAULT)
+
+
+def audit_holders(
+    manager: Any, screen: ModuleType, policy_of: Callable[[Any], str], every: int = 1
+) -> None:
     """The holder audit of vLLM's ``KVCacheManager`` ``manager``: nothing when every
     listed block is held; else raises or repairs as the pool's policy says.
 
+    Every ``every`` steps (and at a manager's first) every listing is read, O(listed
+    blocks); at the steps between, only the listings of blocks a guarded free released
+    since the last audit are (each other listing is compared by address, unread), and
+    not at all when nothing was freed: a free that releases a reference a live request
+    holds is found at the next step either way.
+
     Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
-    ``ref_cnt`` that is no integer; O(listed blocks).
+    ``ref_cnt`` that is no integer.
     """
     _report.count_audit()
     coordinator = manager.coordinator
@@ -69,8 +86,29 @@ def audit_holders(manager: Any, screen: ModuleType, policy_of: Callable[[Any], s
     blocks = pool.blocks
     if type(blocks) is not list:
         return
+    made = _report.frees_made()
+    only = None
+    try:
+        place = _places.get(manager)
+    except TypeError:  # a manager no weak reference can name: read everything each time
+        place = None
+    else:
+        if place is None:
+            _places[manager] = [made, 0]
+            place = None
+    if place is not None:
+        new, place[0] = made - place[0], made
+        place[1] += 1
+        if place[1] >= every:
+            place[1] = 0
+        elif new == 0:
+            return
+        else:
+            only = _report.recent_frees(new)
+            if only is None:  # more frees than are kept: read everything
+                place[1] = 0
     managers = [m for m in coordinator.single_type_managers if not _unpins(type(m))]
-    found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers])
+    found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
         _found(pool, managers, found, policy_of(pool))
 

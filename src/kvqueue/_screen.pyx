@@ -19,6 +19,7 @@ Deliberate differences, none visible in what a screen returns or raises:
 """
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Realloc
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport uintptr_t
@@ -259,7 +260,40 @@ cdef int _grow(Py_ssize_t n) except -1:
     return 0
 
 
-def holder_faults(list pool_blocks, list tables):
+cdef inline bint _wanted(PyObject **only, Py_ssize_t mask, PyObject *block):
+    """Whether ``block`` is in the pointer set ``only`` (open addressing, NULL: empty)."""
+    cdef Py_ssize_t slot = <Py_ssize_t>((<uintptr_t>block >> 4) & mask)
+    while only[slot] is not NULL:
+        if only[slot] == block:
+            return True
+        slot = (slot + 1) & mask
+    return False
+
+
+cdef PyObject **_pointer_set(list only, Py_ssize_t *mask) except NULL:
+    """The identities of the blocks of the batches ``only``, as a set of addresses. No
+    reference is held: an address is only compared, never followed."""
+    cdef Py_ssize_t cap = 8, total = 0, slot
+    cdef PyObject **found
+    cdef list batch
+    for batch in only:
+        total += len(batch)
+    while cap < 2 * total:
+        cap <<= 1
+    found = <PyObject **>PyMem_Calloc(cap, sizeof(PyObject *))
+    if found is NULL:
+        raise MemoryError()
+    mask[0] = cap - 1
+    for batch in only:
+        for block in batch:
+            slot = <Py_ssize_t>((<uintptr_t><PyObject *>block >> 4) & mask[0])
+            while found[slot] is not NULL and found[slot] != <PyObject *>block:
+                slot = (slot + 1) & mask[0]
+            found[slot] = <PyObject *>block
+    return found
+
+
+def holder_faults(list pool_blocks, list tables, list only=None):
     """What the holders of ``pool_blocks`` list against what the blocks say: a list of
     ``(kind, block)`` (kinds: :data:`HOLDER_FAULTS`), each block once, at its first fault
     in listing order; empty when every holder's blocks are held. O(listed blocks).
@@ -267,7 +301,9 @@ def holder_faults(list pool_blocks, list tables):
     ``tables``: one mapping per manager (vLLM's ``req_to_blocks``), holder -> its blocks.
     Only ``pool_blocks``'s own blocks are counted (``pool_blocks[block.block_id] is
     block``); null blocks are skipped. A block's count is checked at each listing against
-    the listings so far, so its first fault is found where it shows.
+    the listings so far, so its first fault is found where it shows. ``only``: lists of
+    blocks (the batches freed since the last audit); a listing of any other object is
+    passed over unread, by identity alone.
     """
     global _busy, _gen
     cdef Py_ssize_t n = len(pool_blocks), touched = 0, stamp = 0, group = 0
@@ -278,9 +314,15 @@ def holder_faults(list pool_blocks, list tables):
     cdef size_t gen
     cdef bint own = not _busy
     cdef object block, blocks, kind
+    cdef list listed
+    cdef PyObject *item
     cdef _Layout lay
     cdef list found = []
+    cdef PyObject **wanted = NULL
+    cdef Py_ssize_t wanted_mask = 0
     lay.type = NULL
+    if only is not None:
+        wanted = _pointer_set(only, &wanted_mask)
     if own:
         _grow(n)
         _gen += 1
@@ -293,6 +335,7 @@ def holder_faults(list pool_blocks, list tables):
         if held is NULL or ids is NULL:
             PyMem_Free(held)
             PyMem_Free(ids)
+            PyMem_Free(wanted)
             raise MemoryError()
     try:
         for table in tables:
@@ -300,12 +343,16 @@ def holder_faults(list pool_blocks, list tables):
                 stamp += 1
                 if type(blocks) is not list:
                     blocks = list(blocks)
-                size = len(blocks)
+                listed = <list>blocks
+                size = PyList_GET_SIZE(listed)
                 i = 0
                 # The length is read again each turn, as first_excess does.
-                while i < len(blocks) and i < size:
-                    block = (<list>blocks)[i]
+                while i < PyList_GET_SIZE(listed) and i < size:
+                    item = PyList_GET_ITEM(listed, i)
                     i += 1
+                    if wanted is not NULL and not _wanted(wanted, wanted_mask, item):
+                        continue
+                    block = <object>item
                     if _is_null(block, &lay):
                         continue
                     value = _field(block, &lay, _BLOCK_ID, "block_id")
@@ -357,4 +404,5 @@ def holder_faults(list pool_blocks, list tables):
         else:
             PyMem_Free(held)
             PyMem_Free(ids)
+        PyMem_Free(wanted)
     return found

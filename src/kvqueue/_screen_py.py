@@ -131,7 +131,9 @@ def _count(value: object) -> int | None:
     return None
 
 
-def holder_faults(pool_blocks: list[Any], tables: list[Any]) -> list[tuple[str, Any]]:
+def holder_faults(
+    pool_blocks: list[Any], tables: list[Any], only: list[list[Any]] | None = None
+) -> list[tuple[str, Any]]:
     """What the holders of ``pool_blocks`` list against what the blocks say: a list of
     ``(kind, block)`` (kinds: :data:`HOLDER_FAULTS`), each block once, at its first fault
     in listing order; empty when every holder's blocks are held. O(listed blocks).
@@ -139,8 +141,11 @@ def holder_faults(pool_blocks: list[Any], tables: list[Any]) -> list[tuple[str, 
     ``tables``: one mapping per manager (vLLM's ``req_to_blocks``), holder -> its blocks.
     Only ``pool_blocks``'s own blocks are counted (``pool_blocks[block.block_id] is
     block``); null blocks are skipped. A block's count is checked at each listing against
-    the listings so far, so its first fault is found where it shows.
+    the listings so far, so its first fault is found where it shows. ``only``: lists of
+    blocks (the batches freed since the last audit); a listing of any other object is
+    passed over unread, by identity alone.
     """
+    wanted = None if only is None else {id(block) for batch in only for block in batch}
     # block_id -> [block, listings, manager, holder stamp, reported]
     seen: dict[int, list[Any]] = {}
     found: list[tuple[str, Any]] = []
@@ -152,6 +157,8 @@ def holder_faults(pool_blocks: list[Any], tables: list[Any]) -> list[tuple[str, 
             if type(blocks) is not list:
                 blocks = list(blocks)
             for _, block in zip(range(len(blocks)), blocks, strict=False):
+                if wanted is not None and id(block) not in wanted:
+                    continue
                 if block.is_null:
                     continue
                 block_id = _count(block.block_id)
