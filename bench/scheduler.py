@@ -27,7 +27,7 @@ import sched_engine
 from launch import bootstrap_median, interval
 from sched_engine import WORKLOADS
 
-from kvqueue import _pool_guard
+from kvqueue import _pool_guard, _rules
 from kvqueue._pool_guard import GUARDED
 
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
@@ -142,9 +142,23 @@ class Probe:
         self.gap = array("q")  # outer - inner, ns
         self.size = array("q")  # blocks screened; -1: not a list (guard off)
         self._stack: list[list[int]] = []
+        self.audit_ns = 0  # the holder audit's own time, timed around it
 
     def clear(self) -> None:
         del self.method[:], self.gap[:], self.size[:]
+        self.audit_ns = 0
+
+    def audit(self, original: Any) -> Any:
+        clock = time.perf_counter_ns
+
+        def timed(*args: Any) -> None:
+            start = clock()
+            try:
+                original(*args)
+            finally:
+                self.audit_ns += clock() - start
+
+        return timed
 
     def inner(self, original: Any) -> Any:
         clock, stack = time.perf_counter_ns, self._stack
@@ -196,6 +210,8 @@ def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe
         for m in own:
             undo.enter_context(patch.object(BlockPool, m, probe.inner(BlockPool.__dict__[m])))
         undo.callback(kvqueue.vllm.uninstall)
+        # The step guard takes the audit when it is made: timed from the install on.
+        undo.enter_context(patch.object(_rules, "audit_holders", probe.audit(_rules.audit_holders)))
         kvqueue.vllm.install(twin, pool_guard=guard, wrap_foreign=True)  # type: ignore[arg-type]
         for m in own:
             installed = BlockPool.__dict__[m]
@@ -212,6 +228,7 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
     setup = recorded["setup"]
     runs = [(t, g) for t in TWINS for g in (True, False)]
     gaps: dict[tuple[str, bool], list[array[int]]] = {r: [] for r in runs}
+    audits: dict[str, list[int]] = {t: [] for t in TWINS}
     sizes: dict[str, array[int]] = {}
     calls: array[int] | None = None
     for _ in range(reps):
@@ -228,6 +245,7 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
             gaps[twin, guard].append(probe.gap)
             if guard:
                 sizes[twin] = probe.size
+                audits[twin].append(probe.audit_ns)
     assert calls is not None
     steps = setup.workload.steps - setup.workload.warmup_steps
 
@@ -243,6 +261,7 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
             blocks[GUARDED[i]] += n
         out["twins"][twin] = {
             "guard_ns_per_step": on - off,
+            "audit_ns_per_step": median(audits[twin]) / steps,
             "shim_ns_per_call": off * steps / max(len(calls), 1),
             "calls_per_step": {m: k / steps for m, k in per_method.items() if k},
             "blocks_per_step": {m: k / steps for m, k in blocks.items() if per_method[m]},
@@ -328,11 +347,19 @@ def tables(data: dict[str, Any]) -> str:
             ratio = bootstrap_median([m[on] / m[twin] for m in step])
             delta = bootstrap_median([(m[on] - m[twin]) / n * 1e6 for m in step])
             own = bootstrap_median([c["guard_ns_per_step"] / 1e3 for c in probed])
+            audit = bootstrap_median([c["audit_ns_per_step"] / 1e3 for c in probed])
+            share = bootstrap_median(
+                [
+                    c["audit_ns_per_step"] / 1e3 / (m[on] / n * 1e6) * 100
+                    for c, m in zip(probed, step, strict=True)
+                ]
+            )
             calls = ", ".join(f"{m} {k:.2f}" for m, k in probed[0]["calls_per_step"].items())
             screened = ", ".join(f"{m} {k:.1f}" for m, k in probed[0]["blocks_per_step"].items())
             guard.append(
                 f"| {wname} | {twin} | {interval(ratio)} | {interval(delta, 1)} "
-                f"| {interval(own, 2)} | {calls} | {screened} |"
+                f"| {interval(own, 2)} | {interval(audit, 2)} | {interval(share, 2)} "
+                f"| {calls} | {screened} |"
             )
             shims.append(median(c["shim_ns_per_call"] for c in probed))
         null = bootstrap_median([c["null_ns_per_step"] / 1e3 for c in costs])
@@ -364,9 +391,12 @@ def tables(data: dict[str, Any]) -> str:
         "the guard's own time, probed call by call (bench/scheduler.py: median of "
         f"{s['cost_reps']} probed runs per call, guard on less guard off, summed per step).",
         "",
+        "*audit µs/step*: the holder audit's own time, timed around it in the probed runs, and "
+        "its share of the step with the guard on.",
+        "",
         "| workload | twin | step, guard on / off | step Δ µs | guard µs/step | "
-        "guarded calls/step | blocks screened/step |",
-        "|---|---|---|---|---|---|---|",
+        "audit µs/step | audit % of step | guarded calls/step | blocks screened/step |",
+        "|---|---|---|---|---|---|---|---|---|",
         *guard,
         "",
         "The probe's error: the null test (guard off, python's gaps less cython's, which should "
