@@ -758,3 +758,16 @@ def test_another_projects_pool_method_is_named_not_taken_for_a_layout(
         pool.free_blocks([block, block])
     pool.free_blocks([block])
     assert pool.get_num_free_blocks() == 3
+
+
+def test_a_bad_audit_cadence_is_refused_before_anything_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeVllm(monkeypatch)
+    kv_vllm.uninstall()
+    methods = dict(vars(fake.pool.BlockPool))
+    monkeypatch.setenv("KVQUEUE_AUDIT_EVERY", "100")
+    with pytest.raises(ValueError, match="KVQUEUE_AUDIT_EVERY must be one of '1', '2'"):
+        kv_vllm.install("python")
+    assert dict(vars(fake.pool.BlockPool)) == methods
+    assert kv_vllm.status()["implementation"] is None

@@ -127,7 +127,12 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
         policy = settings["on_misuse"] or f"{facts['environment'][_env.MISUSE_POLICY] or 'raise'}"
         print(
             f"  {kvqueue.IMPLEMENTATION if twin == 'auto' else twin} twin, on_misuse={policy}, "
-            f"pool guard {'on' if settings['pool_guard'] else 'off'}"
+            f"pool guard {'on' if settings['pool_guard'] else 'off'}, holder audit "
+            + (
+                f"each step (all listings every {settings['audit_every']})"
+                if settings["pool_guard"]
+                else "off"
+            )
             + (", over others' patches" if settings["wrap_foreign"] else "")
         )
     for problem in problems:

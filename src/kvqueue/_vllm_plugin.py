@@ -52,6 +52,7 @@ def plan() -> Plan:
     vllm_value_bad = bool(found)
     policy = _read(lambda: _policy.resolve(None), found)
     guard = _read(lambda: _env.flag(_env.POOL_GUARD, default=True), found)
+    every = _read(lambda: _env.choice(_env.AUDIT_EVERY, _env.EVERY, _env.EVERY_DEFAULT), found)
     wrap = _read(lambda: _env.flag(_env.WRAP_FOREIGN), found)
     problems = tuple(found)
     if asked is None and not vllm_value_bad:
@@ -70,11 +71,12 @@ def plan() -> Plan:
         "pool_guard": guard,
         "wrap_foreign": wrap,
     }
+    shown = {**settings, "audit_every": every}
     try:
         vllm.check(implementation, wrap_foreign=wrap)
     except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
-        return Plan("refuse" if strict else "stay_off", str(exc), settings, exc)
-    return Plan("install", f"{_env.VLLM}={os.environ[_env.VLLM]}", settings)
+        return Plan("refuse" if strict else "stay_off", str(exc), shown, exc)
+    return Plan("install", f"{_env.VLLM}={os.environ[_env.VLLM]}", shown)
 
 
 def _read(read: Any, problems: list[str]) -> Any:
@@ -113,8 +115,9 @@ def plugin() -> None:
 
     assert decided.settings is not None
     before = vllm.status()
+    settings = {k: v for k, v in decided.settings.items() if k != "audit_every"}
     try:
-        vllm.install(**decided.settings)
+        vllm.install(**settings)
     except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
         # Only a vLLM changed between the check and now gets here.
         if os.environ.get(_env.VLLM) != "auto":
@@ -127,11 +130,12 @@ def plugin() -> None:
 
         _log.logger.info(
             "kvqueue %s active on vLLM %s: vLLM's free block queue is kvqueue's %s twin, "
-            "pool guard %s, on_misuse=%s",
+            "pool guard %s, holder audit %s, on_misuse=%s",
             kvqueue.__version__,
             after["line"],
             after["implementation"],
             "on (" + ", ".join(after["guarded"]) + ")" if after["pool_guard"] else "off",
+            "on" if after["holder_audit"] else "off",
             after["on_misuse"] or _policy.resolve(None),
         )
 

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _foreign, _log, _policy, _pool_guard, _vllm_lines
+from . import _foreign, _log, _policy, _pool_guard, _rules, _vllm_lines
 from ._block import check_block_type
 from ._errors import HolderAuditError
 from ._report import audit_findings, audited_steps, pool_repairs
@@ -161,11 +161,12 @@ def install(
     Raises :class:`VLLMLayoutError` on a vLLM it does not accept, or one another project
     patched (unless ``wrap_foreign``); ``ImportError`` when vLLM (or the requested
     implementation) cannot be imported; ValueError for an unknown ``implementation`` or
-    ``on_misuse``. On any error nothing is changed.
+    ``on_misuse``, or a bad ``KVQUEUE_AUDIT_EVERY``. On any error nothing is changed.
     """
     global _installed
     if on_misuse is not None:
         on_misuse = _policy.resolve(on_misuse)
+    _rules.audit_every()  # a bad KVQUEUE_AUDIT_EVERY raises here, before anything changes
     queue_class, name = _queue_class(implementation)
     screen = _screen_module(name)
     with _lock:
