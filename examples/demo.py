@@ -1,7 +1,7 @@
 """What kvqueue is for, on any machine: a double free injected into a live vLLM engine on the CPU,
 side by side with vLLM alone, kvqueue under ``raise``, kvqueue under ``repair``.
 
-``python examples/demo.py [--form A|B|C] [--vllm 0.31.0]``, from any Python 3: it builds
+``python examples/demo.py [--form A|B|C|D] [--vllm 0.31.0]``, from any Python 3: it builds
 or reuses the CPU vLLM venv (``vllm_tests/venv.sh``: once, several minutes; this checkout's
 kvqueue is installed there), runs itself again with that venv's python (``vllm_tests`` on
 ``PYTHONPATH`` for the live engine's package ``live``; ``--vllm``: that release's Python code
@@ -13,7 +13,9 @@ free is injected inside the engine core:
 * ``A`` (default, vLLM issue 42571): a request's block given twice in one
   ``BlockPool.free_blocks()`` call as the request finishes;
 * ``B``: a block that is already free, freed again when the next request finishes;
-* ``C``: what a double free leaves in a full pool: a block a request holds, in the free list.
+* ``C``: what a double free leaves in a full pool: a block a request holds, in the free list;
+* ``D``: a free that releases a reference a running request still holds (every count adds up
+  at the call): the holder audit finds it where the next scheduler step starts.
 
 Each completion is compared with the stub model's own answer (``model.completion``): a block
 held by two requests at once gives one of them the other's tokens, and a wrong completion.
@@ -47,6 +49,7 @@ FORMS = {
     "A": "a block given twice in one BlockPool.free_blocks() call (vLLM issue 42571)",
     "B": "a block that is already free, freed again",
     "C": "a block a running request holds, linked into the free list of a full pool",
+    "D": "a running request's only reference to a block, freed by another caller",
 }
 #: Form C needs a pool that fills up: fewer blocks than a round's peak.
 BLOCKS = {"C": 96}
@@ -136,13 +139,19 @@ def at_fault(run: Any) -> tuple[str, str]:
     """What the pool did with the double free: (one cell, the whole message or '')."""
     refused = [e["message"] for e in run.events("refused")]
     refused += [e["message"] for e in run.events("died") if "double free" in e["message"]]
-    repaired = [e["message"] for e in run.events("log") if "double free" in e["message"]]
+    audited = [e["message"] for e in run.events("died") if "holder audit" in e["message"]]
+    repaired = [e["message"] for e in run.events("log") if "repaired a" in e["message"]]
     violations = run.events("violation")
     if refused:
         return f"refused at {call_in(refused[0])}: ValueError", refused[0]
+    if audited:
+        return "refused where the next step started: HolderAuditError", audited[0]
     if repaired:
         kind = re.search(r"\((\w+) #", repaired[0])
-        return f"repaired at {call_in(repaired[0])} ({kind.group(1) if kind else '?'})", ""
+        kind_name = kind.group(1) if kind else "?"
+        if "holder audit" in repaired[0]:
+            return f"repaired where the next step started ({kind_name})", ""
+        return f"repaired at {call_in(repaired[0])} ({kind_name})", ""
     if violations:
         return "accepted: " + violations[0]["found"][0], ""
     return "nothing seen", ""

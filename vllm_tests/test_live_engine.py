@@ -298,18 +298,16 @@ def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> Non
     assert wrong(run) == 0
 
 
-# Issue 24 item 3, open: the guard finds the held block only inside get_new_blocks, after the
-# scheduler has counted it free; strict, so that the fix is noticed when it lands.
-@pytest.mark.xfail(
-    strict=True,
-    reason="a held block in a full pool's free list: the repair leaves get_new_blocks short",
-)
 @pytest.mark.parametrize("twin", TWINS)
 def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
     """Issue 24 item 3: a held block in the free list of a full pool, which counts it free.
-    The allocation that meets it must not fail for the block the repair takes out: the
-    engine serves every request (preempting as with a full pool), each one right."""
-    run = runs.get(SETTING[twin], "repair", "C", args=FULL_POOL)
+    Its holder lists it, so the holder audit takes it out where the next step starts, before
+    the scheduler counts it: the engine serves every request, each one right. The block was
+    planted without a free, so only a full read of the listings finds it (every step here;
+    by default every KVQUEUE_AUDIT_EVERY steps, else get_new_blocks' guard when it meets it)."""
+    run = runs.get(
+        SETTING[twin], "repair", "C", args=FULL_POOL, extra_env={"KVQUEUE_AUDIT_EVERY": "1"}
+    )
     (injected,) = run.events("injected")
     assert injected["ref_cnt"] == 1
     assert injected["free_blocks"] == 1
@@ -318,7 +316,40 @@ def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
     ]
     assert_served(run)
     assert run.events("violation")[-1]["found"] == []  # exact again once repaired
-    assert run.events("repairs")[-1]["counters"]["held_free"] == 1
+    assert run.events("repairs")[-1]["counters"]["listed_free"] == 1
+
+
+# -- form D: a free that releases a reference its holder still lists ------------------------
+
+
+def test_vllm_alone_gives_a_listed_block_to_another_request(runs: Runs) -> None:
+    run = runs.get(None, inject="D")
+    (injected,) = run.events("injected")
+    block = injected["block"]
+    found = [f for v in run.events("violation") for f in v["found"]]
+    assert any(f.startswith(f"block {block}: ") for f in found), run.output[-3000:]
+    assert wrong(run) or run.events("died"), run.output[-3000:]
+
+
+def test_raise_stops_where_the_next_step_starts(runs: Runs) -> None:
+    run = runs.get(SETTING["cython"], "raise", "D")
+    (injected,) = run.events("injected")
+    (died,) = run.events("died")
+    assert died["type"] == "HolderAuditError"
+    assert f"block {injected['block']} is in the free list" in died["message"]
+    assert f"request '{injected['request']}'" in died["message"]
+    assert "kvqueue/_rules.py" in died["raised_at"] or "_rules.py" in died["raised_at"]
+    assert wrong(run) == 0  # stopped before serving anything wrong
+    assert run.result["error"] is not None
+
+
+@pytest.mark.parametrize("twin", TWINS)
+def test_repair_keeps_the_block_with_its_holder(runs: Runs, twin: str) -> None:
+    run = runs.get(SETTING[twin], "repair", "D")
+    assert_served(run)
+    assert run.events("repairs")[-1]["counters"]["listed_free"] == 1
+    logged = [e for e in run.events("log") if "holder audit repaired" in e["message"]]
+    assert len(logged) == 1
 
 
 def test_vllm_alone_hands_out_a_held_block(runs: Runs) -> None:

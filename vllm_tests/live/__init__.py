@@ -10,7 +10,7 @@ their ``PYTHONPATH``.
 
 #: The engine core's journal file (JSON lines), written by ``live.scheduler``.
 JOURNAL = "_KVQUEUE_TEST_JOURNAL"
-#: ``A``, ``B`` or ``AB``: the double-free forms ``live.scheduler`` injects.
+#: ``A``, ``B``, ``C``, ``D`` or several (``AB``): the faults ``live.scheduler`` injects.
 INJECT = "_KVQUEUE_TEST_INJECT"
 #: How many of each form (default 1).
 INJECT_COUNT = "_KVQUEUE_TEST_INJECT_COUNT"

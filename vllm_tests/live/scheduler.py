@@ -21,6 +21,10 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   in the prefix cache. ``C`` is what such a double free leaves in a full pool: once a step has
   scheduled every block, a block that a running request holds (``ref_cnt`` 1) is linked into
   the free list, which then counts one free block, so the next allocation meets it.
+  ``D`` releases a reference another holder still has: once a step has left several requests
+  running, a connector-like caller frees a running request's only reference to its last
+  block (``BlockPool.free_blocks()`` of that one block, a call that adds up): the block is
+  free while the request still lists it, and the next allocation can hand it to another.
   ``_KVQUEUE_TEST_INJECT_COUNT`` (default 1) bounds the injections of each form.
 
 Everything it sees goes, one JSON object a line, to the journal ``_KVQUEUE_TEST_JOURNAL``
@@ -47,6 +51,8 @@ from live import INJECT, INJECT_COUNT, JOURNAL
 GUARDED = ("free_blocks", "touch", "get_new_blocks", "unpin_blocks")
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
+#: Form D waits for a step that leaves this many requests running.
+RUNNING_FOR_D = 4
 
 
 class Journal:
@@ -160,7 +166,7 @@ class CheckedScheduler(Scheduler):
         (self.manager,) = self.kv_cache_manager.coordinator.single_type_managers
         count = int(os.environ.get(INJECT_COUNT, "1"))
         # form -> injections still to make
-        self.left = {form: count for form in os.environ.get(INJECT, "") if form in "ABC"}
+        self.left = {form: count for form in os.environ.get(INJECT, "") if form in "ABCD"}
         self.stale: Any = None  # form B: a freed prefix block to free again
         self.steps = 0
         self.violating_steps = 0
@@ -178,6 +184,8 @@ class CheckedScheduler(Scheduler):
         self._check("schedule")
         if self.left.get("C") and self.pool.get_num_free_blocks() == 0:
             self._plant()
+        if self.left.get("D") and len(self.running) >= RUNNING_FOR_D:
+            self._release()
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
@@ -246,7 +254,7 @@ class CheckedScheduler(Scheduler):
     def _inject(self, request_id: str, blocks: list[Any]) -> int | None:
         """Add a due double free to ``blocks`` (the request's table); the block's id, or None."""
         for form, left in self.left.items():
-            if form == "C":
+            if form in "CD":
                 continue
             block = self._candidate(form, blocks) if left and blocks else None
             if block is None:
@@ -283,6 +291,27 @@ class CheckedScheduler(Scheduler):
                 free_blocks=self.pool.get_num_free_blocks(),
             )
             self._check("planted")  # the planted state, before anything meets it
+            return
+
+    def _release(self) -> None:
+        """Form D: a running request's only reference to its last block, freed by another
+        caller; the request still lists the block."""
+        for request_id, blocks in self.manager.req_to_blocks.items():
+            block = blocks[-1] if blocks else None
+            if block is None or block.is_null or block.ref_cnt != 1:
+                continue
+            self.left["D"] -= 1
+            self.journal.write(
+                "injected",
+                form="D",
+                step=self.steps,
+                request=request_id,
+                block=block.block_id,
+                ref_cnt=block.ref_cnt,
+                free_blocks=self.pool.get_num_free_blocks(),
+            )
+            self.pool.free_blocks([block])
+            self._check("released")
             return
 
     def _candidate(self, form: str, blocks: list[Any]) -> Any:
