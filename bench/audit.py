@@ -3,8 +3,11 @@
 Usage and method: bench/README.md. A cache as vLLM's scheduler holds it: requests of 32 blocks
 each (the null block first in one of every four, as sliding-window tables have it), a quarter of
 them sharing their first 8 blocks with another request (a prefix hit, ``ref_cnt`` 2), every
-other block held once; nothing to report. Each sample is one call; per size, the median of the
-samples of each process, then the median over processes, with a bootstrap interval.
+other block held once; nothing to report. Two reads: ``full`` (every listing, as every
+``KVQUEUE_AUDIT_EVERY`` steps) and ``freed`` (the steps between: only the listings of one batch
+of 8 freed blocks are read, every other listing compared by address). Each sample is one call;
+per size and read, the median of the samples of each process, then the median over
+processes, with a bootstrap interval.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from launch import bootstrap_median, interval, short
 SIZES = (1_000, 10_000, 100_000)
 PER_REQUEST = 32
 SHARED = 8
+FREED = 8
 # Processes, samples per process and size.
 FULL, QUICK = (7, 41), (3, 11)
 TWINS = {"cython": "kvqueue._screen", "python": "kvqueue._screen_py"}
@@ -79,22 +83,24 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"cpu": cpu, "sizes": {}}
     for size in SIZES:
         pool, tables = cache(size, rng)
+        freed = [rng.sample(pool[1:], FREED)]
+        reads = {"full": None, "freed": freed}
         for screen in screens.values():
             assert screen.holder_faults(pool, tables) == []
-        samples: dict[str, list[int]] = {name: [] for name in screens}
-        names = list(screens)
+        runs = [(name, read) for name in screens for read in reads]
+        samples: dict[str, list[int]] = {f"{n} {r}": [] for n, r in runs}
         gc.disable()
         try:
             for _ in range(job["samples"]):
-                rng.shuffle(names)
-                for name in names:
-                    faults = screens[name].holder_faults
+                rng.shuffle(runs)
+                for name, read in runs:
+                    faults, only = screens[name].holder_faults, reads[read]
                     start = clock()
-                    faults(pool, tables)
-                    samples[name].append(clock() - start)
+                    faults(pool, tables, only)
+                    samples[f"{name} {read}"].append(clock() - start)
         finally:
             gc.enable()
-        out["sizes"][size] = {name: median(s) for name, s in samples.items()}
+        out["sizes"][str(size)] = {key: median(s) for key, s in samples.items()}
     return out
 
 
@@ -112,17 +118,16 @@ def main() -> None:
     out = launch.save(data, args.out, "audit")
     print(f"The holder audit's screen, µs per call ({clock} time), median of {processes} "
           f"processes x {samples} calls [bootstrap 95% interval]:\n")  # fmt: skip
-    print("| listed blocks | cython µs | python µs | cython µs per 1,000 | python / cython |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| listed blocks | read | cython µs | python µs | cython µs per 1,000 listed |")
+    print("|---:|---|---:|---:|---:|")
     for size in SIZES:
-        per = [r["sizes"][str(size)] if str(size) in r["sizes"] else r["sizes"][size]
-               for r in records]  # fmt: skip
-        c = bootstrap_median([p["cython"] / 1e3 for p in per])
-        p = bootstrap_median([p["python"] / 1e3 for p in per])
-        ratio = bootstrap_median([q["python"] / q["cython"] for q in per])
-        per_k = bootstrap_median([q["cython"] / 1e3 / (size / 1000) for q in per])
-        print(f"| {size:,} | {interval(c, 1)} | {interval(p, 0)} | {interval(per_k, 2)} "
-              f"| {interval(ratio, 1)} |")  # fmt: skip
+        per = [r["sizes"][str(size)] for r in records]
+        for read in ("full", "freed"):
+            c = bootstrap_median([q[f"cython {read}"] / 1e3 for q in per])
+            p = bootstrap_median([q[f"python {read}"] / 1e3 for q in per])
+            per_k = bootstrap_median([q[f"cython {read}"] / size for q in per])
+            print(f"| {size:,} | {read} | {interval(c, 1)} | {interval(p, 0)} "
+                  f"| {interval(per_k, 2)} |")  # fmt: skip
     print(f"\nMachine: {short(data['machine'])}.\n(raw results: {out})", file=sys.stderr)
 
 

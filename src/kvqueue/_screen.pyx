@@ -260,7 +260,7 @@ cdef int _grow(Py_ssize_t n) except -1:
     return 0
 
 
-cdef inline bint _wanted(PyObject **only, Py_ssize_t mask, PyObject *block):
+cdef inline bint _wanted(PyObject **only, Py_ssize_t mask, PyObject *block) noexcept:
     """Whether ``block`` is in the pointer set ``only`` (open addressing, NULL: empty)."""
     cdef Py_ssize_t slot = <Py_ssize_t>((<uintptr_t>block >> 4) & mask)
     while only[slot] is not NULL:
