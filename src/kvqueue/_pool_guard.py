@@ -171,7 +171,7 @@ def guard(
         made[name] = _WRAPPERS[name](_Guard(pool_class, name, original, screen, policy_of), line)
     for name, function in made.items():
         under = _ours(namespace.get(name)) is None
-        setattr(pool_class, name, function)
+        _assign(pool_class, name, function)
         if under:
             _retire(pool_class, name, keep=function)
     return replaced
@@ -184,8 +184,19 @@ def unguard(pool_class: type, originals: dict[str, Any]) -> None:
     for name, original in originals.items():
         made = _ours(namespace.get(name))
         if made is not None and made.original is original:
-            setattr(pool_class, name, original)
+            _assign(pool_class, name, original)
         _retire(pool_class, name)
+
+
+def _assign(pool_class: type, name: str, value: object) -> None:
+    """``setattr(pool_class, name, value)``, the method it replaces kept alive until the
+    assignment has returned. CPython frees a replaced class attribute inside the assignment,
+    before it invalidates the caches that hold it borrowed (the type's, each call site's);
+    a guard's last reference freed there runs ``forget``, where threads can switch, and a
+    call on another thread found the freed function in its cache (SIGSEGV, issue 31)."""
+    replaced = _namespace(pool_class).get(name)
+    setattr(pool_class, name, value)
+    del replaced
 
 
 def _retire(pool_class: type, name: str, keep: object = None) -> None:
