@@ -64,7 +64,7 @@ def test_a_double_free_in_one_call_on_every_line(
         (block,) = pool.get_new_blocks(1)
         before = state(pool)
         if policy == "raise":
-            with pytest.raises(ValueError, match="2 time\\(s\\) while it holds 1 reference"):
+            with pytest.raises(ValueError, match="2 times while it holds 1 reference:"):
                 pool.free_blocks([block, block])
             assert state(pool) == before
         else:
@@ -285,6 +285,35 @@ def test_another_pools_misuse_raises_before_anything_is_freed(
             mine.free_blocks([a, b])
             consistent(mine)
             consistent(theirs)
+
+
+@pytest.mark.parametrize("method", ["free_blocks", "unpin_blocks"])
+def test_a_stray_block_is_refused_before_any_count_moves(
+    queue_mod: ModuleType, method: str, quiet: Any
+) -> None:
+    """Issue 31, item 7: a block vLLM would count and queue here, which this pool's queue
+    refuses (of no pool; to unpin_blocks, of another pool too), is refused up front under
+    "raise": vLLM had moved every count, and the queue's refusal left the rest at 0, lost."""
+    for of in LINES:
+        if method not in of.pool_methods or not of.has_pool_field:
+            continue
+        with guarded(queue_mod, of) as cls:
+            mine = make_pool(cls, queue_mod, 6, "raise")
+            theirs = make_pool(cls, queue_mod, 6, "raise")
+            own = mine.get_new_blocks(3)
+            strays = [VllmStyleBlock(99, ref_cnt=1)]
+            if method == "unpin_blocks":
+                strays += theirs.get_new_blocks(1)
+            for stray in strays:
+                words = "a block of no pool" if stray.pool is None else "a block of another"
+                before = state(mine), state(theirs), stray.ref_cnt
+                args = (print,) if method == "unpin_blocks" else ()
+                with pytest.raises(ValueError, match=f"{words}.*Pool: BlockPool"):
+                    getattr(mine, method)([*own, stray], *args)
+                assert (state(mine), state(theirs), stray.ref_cnt) == before
+            consistent(mine)
+            mine.free_blocks(own)
+            consistent(mine)
 
 
 def test_another_pools_misuse_under_its_repair_is_repaired_there(

@@ -315,7 +315,7 @@ _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
 class _Plan:
     """What a free of ``blocks`` on ``pool`` would do, read once (nothing changed)."""
 
-    __slots__ = ("dropped", "given", "in_list", "kept", "linked", "others", "refs")
+    __slots__ = ("dropped", "given", "in_list", "kept", "linked", "others", "refs", "strays")
 
     def __init__(self, pool: Any, blocks: list[Any], own: bool, method: str) -> None:
         self.kept: list[Any] = []
@@ -324,6 +324,9 @@ class _Plan:
         self.linked: list[Any] = []
         # Other pools' blocks, by pool, in the order vLLM hands them over.
         self.others: dict[int, tuple[Any, list[Any]]] = {}
+        # Blocks vLLM counts here that are not this pool's (of no pool; to unpin_blocks,
+        # which routes none, of another pool too): this pool's queue would refuse them.
+        self.strays: list[Any] = []
         self.given: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self.in_list: set[int] = set()
@@ -333,8 +336,10 @@ class _Plan:
             if own:
                 owner = block.pool
                 if owner is not pool:
-                    if owner is not None:
+                    if owner is not None and method == "free_blocks":
                         self.others.setdefault(id(owner), (owner, []))[1].append(block)
+                    else:
+                        self.strays.append(block)
                     self.kept.append(block)
                     continue
             elif not _in_pool(pool, block):
@@ -399,8 +404,10 @@ def _free(
         return original(pool, blocks, *args, **kwargs)
     method = made.name
     plan = _Plan(pool, blocks, line.has_pool_field, method)
-    if (plan.dropped or plan.linked) and made.policy_of(pool) == "raise":
-        _raise_double_free(pool, method, plan)
+    if (plan.dropped or plan.linked or plan.strays) and made.policy_of(pool) == "raise":
+        if plan.dropped or plan.linked:
+            _raise_double_free(pool, method, plan)
+        _screen_strays(pool, method, plan.strays)
     # Under their own "raise", other pools' blocks are screened before anything is freed
     # here: vLLM frees this pool's blocks first, then hands those over.
     if method == "free_blocks":
@@ -422,15 +429,35 @@ def _free(
 def _raise_double_free(pool: Any, method: str, plan: _Plan) -> None:
     block = (plan.dropped + plan.linked)[0]
     key = id(block)
-    refs = _errors.number(plan.refs[key])
+    refs = plan.refs[key]
     if key in plan.in_list:
-        what = f"which is in the free list already (ref_cnt {refs})"
+        what = f"which is in the free list already (ref_cnt {_errors.number(refs)})"
     else:
-        what = f"while it holds {refs} reference(s)"
+        what = f"while it holds {_errors.plural(refs, 'reference')}"
     raise ValueError(
-        f"{_call(method)} was given block {_named(block)} {plan.given[key]} time(s) "
+        f"{_call(method)} was given block {_named(block)} {_errors.times(plan.given[key])} "
         f"{what}: a double free; nothing was freed. {_where(pool)}"
     )
+
+
+def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
+    """Raise for a stray block this call would take to 0 (vLLM would queue it here, where
+    the queue refuses it after every count moved); one that keeps a reference is vLLM's."""
+    for block in strays:
+        if block.is_null:
+            continue
+        given = sum(1 for each in strays if each is block)
+        refs = _count(pool, method, block)
+        if given < refs:
+            continue
+        owner = block.pool
+        whose = "no pool" if owner is None else f"another pool (BlockPool at {id(owner):#x})"
+        raise ValueError(
+            f"{_call(method)} was given block {_named(block)}, a block of {whose}, which it "
+            f"would free into this pool's queue (ref_cnt {_errors.number(refs)}, given "
+            f"{_errors.times(given)}); that queue takes only this pool's blocks: nothing was "
+            f"freed. {_where(pool)}"
+        )
 
 
 def _screen_other(owner: Any, group: list[Any]) -> None:

@@ -23,12 +23,14 @@ from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport uintptr_t
 
-__all__ = ("OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_negative")
+__all__ = ("NO_POOL", "OTHER_POOLS", "REPEATS", "first_excess", "first_held_free", "first_negative")
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
-#: pools, and blocks given more than once (within the references they hold).
+#: pools, blocks given more than once (within the references they hold), and blocks of
+#: no pool (which vLLM counts as the caller's, and its queue refuses).
 OTHER_POOLS = 1
 REPEATS = 2
+NO_POOL = 4
 
 
 cdef extern from "_screen.h":
@@ -94,7 +96,7 @@ def first_excess(list blocks, object pool):
     """The index of the first occurrence in ``blocks`` of a block of ``pool`` that would
     take its ``ref_cnt`` below 0 if each occurrence released one reference, that releases
     a block linked in a free list, or whose ``ref_cnt`` is no int; else ``-1 - flags``
-    (:data:`OTHER_POOLS`, :data:`REPEATS`); O(len(blocks)).
+    (:data:`OTHER_POOLS`, :data:`REPEATS`, :data:`NO_POOL`); O(len(blocks)).
 
     Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
     another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
@@ -125,8 +127,7 @@ def first_excess(list blocks, object pool):
             if pool is not None:
                 owner = _field(block, &lay, _POOL, "pool")
                 if owner is not pool:
-                    if owner is not None:
-                        flags |= OTHER_POOLS
+                    flags |= OTHER_POOLS if owner is not None else NO_POOL
                     i += 1
                     continue
             if _is_null(block, &lay):
