@@ -39,14 +39,14 @@ import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from operator import index
 from types import ModuleType
 from typing import Any
 
 from . import _block, _errors, _foreign, _log, _policy
 
-__all__ = ("GUARDED", "guard", "originals", "pool_repairs", "unguard")
+__all__ = ("GUARDED", "guard", "in_place", "originals", "pool_repairs", "unguard")
 
 #: The methods guarded, in the order a request meets them.
 GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
@@ -145,6 +145,25 @@ def originals(pool_class: type, *, wrap_foreign: bool) -> dict[str, Any]:
                 raise _foreign.refused(patch, _foreign.METHOD_WRAPPED)
         found_methods[name] = found
     return found_methods
+
+
+def in_place(pool_class: type, names: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """Of ``names`` (the methods kvqueue guarded on ``pool_class``), those whose guard is on
+    the class now, and, by name, what replaced the others since: another project's later
+    patch, which calls reach instead of the guard (bypassed). O(len(names))."""
+    namespace = _namespace(pool_class)
+    guarded: list[str] = []
+    bypassed: dict[str, str] = {}
+    for name in sorted(names):
+        found = namespace.get(name)
+        made = _ours(found)
+        if made is not None and not made.retired:
+            guarded.append(name)
+        else:
+            bypassed[name] = _foreign.method_patch(pool_class, name, found) or (
+                f"{pool_class.__qualname__}.{name} is vLLM's own again"
+            )
+    return guarded, bypassed
 
 
 def guard(

@@ -18,7 +18,7 @@ import threading
 
 from kvqueue import _pool_guard
 
-from support.fake_pool import line, make_pool, pool_class, policy_of, screen_of, state
+from support.fake_pool import line, make_pool, policy_of, pool_class, screen_of, state
 from support.twins import twin
 
 
