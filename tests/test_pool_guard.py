@@ -7,11 +7,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import sys
 from collections.abc import Iterator
 from fractions import Fraction
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -366,6 +367,24 @@ def test_a_raising_log_filter_does_not_fail_a_repaired_call(
 
 
 # --- items 6 and 7: kvqueue's guards by identity, switched in one assignment -----------------
+
+
+def test_a_wraps_wrapper_is_named_by_where_its_code_is(queue_mod: ModuleType) -> None:
+    """Issue 31, item 6: a functools.wraps wrapper over a guarded method is named by the
+    file and line of its code, not by the name it copied from vLLM's method."""
+    cls = pool_class(NEWEST)
+    vllms = cls.__dict__["free_blocks"]
+
+    @functools.wraps(vllms)
+    def theirs(*args: Any, **kwargs: Any) -> Any:
+        return vllms(*args, **kwargs)
+
+    cls.free_blocks = theirs  # type: ignore[attr-defined]
+    line = cast(Any, theirs).__code__.co_firstlineno
+    with pytest.raises(VLLMLayoutError) as refused:
+        _pool_guard.guard(cls, screen_of(queue_mod), policy_of, wrap_foreign=False, line=NEWEST)
+    where = rf"a wrapper defined at \S*tests/test_pool_guard.py:{line} \(named "
+    assert re.search(where, str(refused.value))
 
 
 def test_a_copied_guard_marker_is_not_kvqueues_guard(queue_mod: ModuleType, quiet: Any) -> None:
