@@ -56,6 +56,7 @@ fuzz_runs() {  # $1: operations per program
         echo "isolated.fuzz_guard $twin 0 $1"
     done
     echo "isolated.fuzz_diff c 0 $1"
+    echo "isolated.guard_switch $1"
 }
 
 section "AddressSanitizer build"

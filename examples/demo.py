@@ -60,16 +60,7 @@ def enter_venv(release: str | None) -> None:
     """Build or reuse the vLLM venv, then replace this process by the demo in it."""
     print("kvqueue demo: the CPU vLLM venv (vllm_tests/venv.sh; the first build: several "
           "minutes, 4 GB)", flush=True)  # fmt: skip
-    built = with_progress(
-        "vllm_tests/venv.sh",
-        lambda: subprocess.run(
-            ["bash", str(VLLM_TESTS / "venv.sh")],
-            stdout=subprocess.PIPE,
-            text=True,
-            check=True,
-        ),
-    )
-    venv = built.stdout.strip()
+    venv = with_progress("vllm_tests/venv.sh", lambda: shown(["bash", str(VLLM_TESTS / "venv.sh")]))
     python = str(Path(venv) / "bin" / "python")
     env = {**os.environ, IN_VENV: "1"}
     path = [str(VLLM_TESTS)]
@@ -77,17 +68,45 @@ def enter_venv(release: str | None) -> None:
         # The venv's python decides which of the line's requirements it lacks.
         line = with_progress(
             f"vLLM {release}'s Python code (vllm_tests/lines.py)",
-            lambda: subprocess.run(
-                [python, str(VLLM_TESTS / "lines.py"), release],
-                stdout=subprocess.PIPE,
-                text=True,
-                check=True,
-            ),
-        ).stdout.strip()
+            lambda: shown([python, str(VLLM_TESTS / "lines.py"), release]),
+        )
         path.append(line)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*path, env.get("PYTHONPATH")]))
     print(f"kvqueue demo: using {venv}", flush=True)
     os.execve(python, [python, __file__, *sys.argv[1:]], env)
+
+
+class Failed(Exception):
+    """A step of the demo's setup failed; its own messages were shown as it ran."""
+
+
+def shown(command: list[str]) -> str:
+    """What ``command`` prints on stdout, stripped; its stderr shown line by line as it comes,
+    each on a line of its own (the progress counter's line cleared first). Raises Failed."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None
+        assert child.stderr is not None
+        errors = child.stderr
+
+        def relay() -> None:
+            for line in errors:
+                print(f"{CLEAR}{line}", end="", file=sys.stderr, flush=True)
+
+        relayed = threading.Thread(target=relay, daemon=True)
+        relayed.start()
+        out = child.stdout.read()
+        relayed.join()
+    if child.returncode != 0:
+        raise Failed(
+            f"{command[1]} failed (exit status {child.returncode}); its messages above say why"
+        )
+    return out.strip()
+
+
+#: Clears the progress counter's line on a terminal (where the counter is shown).
+CLEAR = "\r\033[K" if sys.stdout.isatty() else ""
 
 
 def with_progress(label: str, call: Any) -> Any:
@@ -98,7 +117,7 @@ def with_progress(label: str, call: Any) -> Any:
     def tick() -> None:
         while not done.wait(1):
             if sys.stdout.isatty():
-                print(f"\r  {label}: {time.monotonic() - start:.0f} s", end="", flush=True)
+                print(f"{CLEAR}  {label}: {time.monotonic() - start:.0f} s", end="", flush=True)
 
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
@@ -107,7 +126,7 @@ def with_progress(label: str, call: Any) -> Any:
     finally:
         done.set()
         ticker.join()
-        print(f"\r  {label}: done in {time.monotonic() - start:.0f} s", flush=True)
+        print(f"{CLEAR}  {label}: {time.monotonic() - start:.0f} s", flush=True)
 
 
 def queue_name(qualified: str) -> str:
@@ -229,18 +248,27 @@ def table(columns: dict[str, dict[str, str]]) -> str:
 
 
 def verdict(counts: dict[str, dict[str, int]], stopped: bool, alone_pool_wrong: bool) -> str:
-    """One line, at most 100 columns: what each contender did to the users' completions."""
+    """What each contender did to the users' completions, in lines of at most 100 columns."""
     alone, raised, repair = counts["vLLM alone"], counts["kvqueue raise"], counts["kvqueue repair"]
     total = sum(alone.values())
     if alone["wrong"]:
-        said = f"vLLM alone: {alone['wrong']}/{total} served wrong, silently"
+        said = f"vLLM alone served {alone['wrong']} of {total} wrong, silently"
     else:  # the damage may not have reached a completion yet (vLLM 0.23 loses the block)
-        said = f"vLLM alone: {alone['right']}/{total} right"
+        said = f"vLLM alone served {alone['right']} of {total} right"
         said += ", its pool wrong" if alone_pool_wrong else ""
+    if alone["unserved"]:
+        said += f", then its engine died with {alone['unserved']} unserved"
     if raised["wrong"]:
-        said += f"; raise: {raised['wrong']} wrong"
-    said += "; raise: stopped at the fault" if stopped else "; raise: did not stop"
-    return f"verdict: {said}; repair: {repair['right']}/{total} right"
+        said += f"; raise served {raised['wrong']} wrong"
+    elif stopped:
+        said += (
+            f"; raise stopped at the fault, before serving anything wrong ({raised['right']} "
+            f"of {total} served)"
+        )
+    if not stopped:
+        said += "; raise did not stop"
+    said += f"; repair served {repair['right']} of {total} right"
+    return textwrap.fill(f"verdict: {said}", SCREEN, subsequent_indent="  ")
 
 
 def main() -> int:
@@ -249,7 +277,11 @@ def main() -> int:
     parser.add_argument("--vllm", help="the vLLM release to run (default: the venv's own)")
     args = parser.parse_args()
     if not os.environ.get(IN_VENV):
-        enter_venv(args.vllm)
+        try:
+            enter_venv(args.vllm)
+        except Failed as exc:
+            print(f"kvqueue demo: {exc}", file=sys.stderr)
+            return 2
     import vllm
     from live import driver
 

@@ -99,3 +99,130 @@ def test_the_accepted_lines_are_the_tables() -> None:
     from kvqueue._vllm_lines import LINES
 
     assert report()["accepted_vllm_lines"] == [line.release for line in LINES]
+
+
+# A vLLM 0.33 of stand-ins on PYTHONPATH (tests/ too: the stand-ins are support's), and a
+# plugin of another project's that replaces BlockPool.free_blocks.
+_FAKE_VLLM = {
+    "vllm/__init__.py": "__version__ = '0.33.0'\n",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/core/__init__.py": "",
+    "vllm/v1/core/kv_cache_utils.py": (
+        "from support.blocks import VllmStyleBlock as KVCacheBlock\n"
+        "from support.vllm_stubs import VllmQueue as FreeKVCacheBlockQueue\n"
+    ),
+    "vllm/v1/core/block_pool.py": (
+        "from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock\n"
+        "class BlockPool:\n"
+        "    def get_new_blocks(self, num_blocks): pass\n"
+        "    def touch(self, blocks): pass\n"
+        "    def free_blocks(self, ordered_blocks): pass\n"
+        "    def unpin_blocks(self, blocks, on_reuse): pass\n"
+    ),
+    "vllm/v1/core/kv_cache_manager.py": (
+        "from support.vllm_stubs import MANAGER_SOURCE\nexec(MANAGER_SOURCE)\n"
+    ),
+    "their_plugin.py": (
+        "def register():\n"
+        "    from vllm.v1.core import block_pool\n"
+        "    def free_blocks(self, ordered_blocks): pass\n"
+        "    block_pool.BlockPool.free_blocks = free_blocks\n"
+    ),
+    "their_plugin-0.1.dist-info/METADATA": (
+        "Metadata-Version: 2.1\nName: their-plugin\nVersion: 0.1\n"
+    ),
+    "their_plugin-0.1.dist-info/entry_points.txt": (
+        "[vllm.general_plugins]\ntheirs = their_plugin:register\n"
+    ),
+}
+
+
+def _fake_vllm(root: Any, **replace: str) -> str:
+    from support.helpers import TESTS
+
+    for name, text in {**_FAKE_VLLM, **replace}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return os.pathsep.join([str(root), str(TESTS)])
+
+
+def _narrow(done: subprocess.CompletedProcess[str]) -> None:
+    assert max(map(len, done.stdout.splitlines())) <= 100, done.stdout
+
+
+def test_strict_mode_refuses_a_bad_pure_value(tmp_path: Any) -> None:
+    """Issue 31, items 2 and 5: KVQUEUE_VLLM=1 with a bad KVQUEUE_PURE: the plan stops
+    vLLM, and the report does not claim a twin that import kvqueue would not load."""
+    env = {"KVQUEUE_VLLM": "1", "KVQUEUE_PURE": "yes", "PYTHONPATH": _fake_vllm(tmp_path)}
+    result = report(**env)
+    assert result["plugin"]["action"] == "refuse"
+    assert result["implementation"] is None
+    [problem] = result["problems"]
+    assert problem.startswith("KVQUEUE_PURE must be one of")
+    done = run(**env)
+    assert "the plugin stops vLLM from starting: KVQUEUE_PURE" in done.stdout
+    assert "loads: cython" not in done.stdout
+    _narrow(done)
+
+
+def test_the_plugin_raises_where_vllms_loader_imports_kvqueue(tmp_path: Any) -> None:
+    """vLLM's loader imports the entry point and logs what that raises: import kvqueue
+    passes a bad KVQUEUE_PURE there, and the plugin's call, which stops vLLM, raises it."""
+    loader = (
+        "import importlib\n"
+        "def load_plugins_by_group(group):\n"
+        "    return importlib.import_module('kvqueue.vllm').plugin\n"
+    )
+    code = (
+        "space = {'__name__': 'vllm.plugins'}\n"
+        f"exec({loader!r}, space)\n"
+        "plugin = space['load_plugins_by_group']('vllm.general_plugins')\n"
+        "try:\n    plugin()\nexcept ValueError as exc:\n    print('refused:', exc)\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "VLLM_"))}
+    clean.update(KVQUEUE_VLLM="1", KVQUEUE_PURE="yes", PYTHONPATH=_fake_vllm(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: KVQUEUE_PURE must be one of"), done.stdout
+
+
+@pytest.mark.parametrize(
+    "body", ["raise RuntimeError('libcudart.so.12: cannot open')", "import sys; sys.exit(3)"]
+)
+def test_a_vllm_that_fails_on_import_is_a_problem(tmp_path: Any, body: str) -> None:
+    """Issue 31, item 4: one problem line, one JSON object, no traceback."""
+    env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path, **{"vllm/__init__.py": body})}
+    result = report(**env)
+    assert result["plugin"]["action"] == "refuse"
+    assert any("importing vLLM failed" in problem for problem in result["problems"])
+    done = run(**env)
+    assert "Traceback" not in done.stderr + done.stdout
+    assert "problem: " in done.stdout
+
+
+def test_a_plugin_that_patches_a_guarded_method_first_is_in_the_plan(tmp_path: Any) -> None:
+    """Issue 31, item 3: the plan reads what vLLM's other plugins patched before kvqueue's."""
+    env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path)}
+    result = report(**env)
+    assert result["plugin"]["action"] == "refuse"
+    assert "free_blocks is not vLLM's own" in result["plugin"]["reason"]
+    assert report(**env, VLLM_PLUGINS="kvqueue")["plugin"]["action"] == "install"
+
+
+def test_a_plugin_vllm_does_not_call_is_not_said_to_install(tmp_path: Any) -> None:
+    """Issue 31, item 5: no 'installs kvqueue' before the line that says vLLM will not call
+    it; VLLM_PLUGINS unset is said so; the twin is named, not 'auto'; lines fit 100 columns."""
+    env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path)}
+    done = run(**env, VLLM_PLUGINS="other")
+    assert "the plugin installs kvqueue" not in done.stdout
+    assert "the plugin is not called, so it installs nothing" in done.stdout
+    _narrow(done)
+    result = report(**env, VLLM_PLUGINS="kvqueue")
+    assert result["plugin"]["settings"]["implementation"] in ("cython", "python")
+    done = run(**env, VLLM_PLUGINS="kvqueue")
+    assert "VLLM_PLUGINS='kvqueue': vLLM calls" in done.stdout
+    assert "VLLM_PLUGINS unset" in run(**env).stdout
+    _narrow(run(KVQUEUE_VLLM="1"))

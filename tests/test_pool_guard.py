@@ -7,11 +7,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import sys
 from collections.abc import Iterator
 from fractions import Fraction
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_a_double_free_in_one_call_on_every_line(
         (block,) = pool.get_new_blocks(1)
         before = state(pool)
         if policy == "raise":
-            with pytest.raises(ValueError, match="2 time\\(s\\) while it holds 1 reference"):
+            with pytest.raises(ValueError, match="2 times while it holds 1 reference:"):
                 pool.free_blocks([block, block])
             assert state(pool) == before
         else:
@@ -287,6 +288,35 @@ def test_another_pools_misuse_raises_before_anything_is_freed(
             consistent(theirs)
 
 
+@pytest.mark.parametrize("method", ["free_blocks", "unpin_blocks"])
+def test_a_stray_block_is_refused_before_any_count_moves(
+    queue_mod: ModuleType, method: str, quiet: Any
+) -> None:
+    """Issue 31, item 7: a block vLLM would count and queue here, which this pool's queue
+    refuses (of no pool; to unpin_blocks, of another pool too), is refused up front under
+    "raise": vLLM had moved every count, and the queue's refusal left the rest at 0, lost."""
+    for of in LINES:
+        if method not in of.pool_methods or not of.has_pool_field:
+            continue
+        with guarded(queue_mod, of) as cls:
+            mine = make_pool(cls, queue_mod, 6, "raise")
+            theirs = make_pool(cls, queue_mod, 6, "raise")
+            own = mine.get_new_blocks(3)
+            strays = [VllmStyleBlock(99, ref_cnt=1)]
+            if method == "unpin_blocks":
+                strays += theirs.get_new_blocks(1)
+            for stray in strays:
+                words = "a block of no pool" if stray.pool is None else "a block of another"
+                before = state(mine), state(theirs), stray.ref_cnt
+                args = (print,) if method == "unpin_blocks" else ()
+                with pytest.raises(ValueError, match=f"{words}.*Pool: BlockPool"):
+                    getattr(mine, method)([*own, stray], *args)
+                assert (state(mine), state(theirs), stray.ref_cnt) == before
+            consistent(mine)
+            mine.free_blocks(own)
+            consistent(mine)
+
+
 def test_another_pools_misuse_under_its_repair_is_repaired_there(
     queue_mod: ModuleType, quiet: Any
 ) -> None:
@@ -337,6 +367,24 @@ def test_a_raising_log_filter_does_not_fail_a_repaired_call(
 
 
 # --- items 6 and 7: kvqueue's guards by identity, switched in one assignment -----------------
+
+
+def test_a_wraps_wrapper_is_named_by_where_its_code_is(queue_mod: ModuleType) -> None:
+    """Issue 31, item 6: a functools.wraps wrapper over a guarded method is named by the
+    file and line of its code, not by the name it copied from vLLM's method."""
+    cls = pool_class(NEWEST)
+    vllms = cls.__dict__["free_blocks"]
+
+    @functools.wraps(vllms)
+    def theirs(*args: Any, **kwargs: Any) -> Any:
+        return vllms(*args, **kwargs)
+
+    cls.free_blocks = theirs  # type: ignore[attr-defined]
+    line = cast(Any, theirs).__code__.co_firstlineno
+    with pytest.raises(VLLMLayoutError) as refused:
+        _pool_guard.guard(cls, screen_of(queue_mod), policy_of, wrap_foreign=False, line=NEWEST)
+    where = rf"a wrapper defined at \S*tests/test_pool_guard.py:{line} \(named "
+    assert re.search(where, str(refused.value))
 
 
 def test_a_copied_guard_marker_is_not_kvqueues_guard(queue_mod: ModuleType, quiet: Any) -> None:

@@ -52,3 +52,24 @@ def test_the_table_of_lines_is_the_codes() -> None:
 
     rows = re.findall(r"^\| (0\.\d+) \| (0\.\d+\.\d+) \|", README.read_text(), re.MULTILINE)
     assert rows == [(line.name, line.release) for line in LINES]
+
+
+def test_a_newcomer_is_told_what_the_demo_needs() -> None:
+    """Issue 31, items 9, 10, 5: the demo's interpreter, disk, time, venv, other lines and
+    torch; which releases are accepted; and the README stays short."""
+    if not README.exists():
+        pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
+    text = README.read_text()
+    assert len(text.splitlines()) <= 185
+    flat = " ".join(text.split())
+    for needed in (
+        "`python3.11`",
+        "4 GB",
+        "~/.cache/kvqueue/vllm-0.33.0-venv",
+        "`VLLM=0.31.0`",
+        "`torch==2.13.0+cpu`",
+        "`KVQUEUE_TORCH_INDEX`",
+        "`KVQUEUE_TORCH_CUDA=1`",
+        "0.33.1rc1",
+    ):
+        assert needed in flat, needed

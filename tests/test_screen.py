@@ -62,7 +62,7 @@ def oracle(blocks: list[Block]) -> int:
     flags = 0
     for i, block in enumerate(blocks):
         if block.pool is not POOL:
-            flags |= 1 if block.pool is not None else 0  # OTHER_POOLS
+            flags |= 1 if block.pool is not None else 4  # OTHER_POOLS, NO_POOL
             continue
         if block.is_null:
             continue
@@ -77,7 +77,7 @@ def oracle(blocks: list[Block]) -> int:
 
 
 def test_flags_are_the_twins_constants(screen: ModuleType) -> None:
-    assert (screen.OTHER_POOLS, screen.REPEATS) == (1, 2)
+    assert (screen.OTHER_POOLS, screen.REPEATS, screen.NO_POOL) == (1, 2, 4)
 
 
 @pytest.mark.parametrize("seed", range(100))

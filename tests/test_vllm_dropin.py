@@ -771,3 +771,40 @@ def test_a_bad_audit_cadence_is_refused_before_anything_changes(
         kv_vllm.install("python")
     assert dict(vars(fake.pool.BlockPool)) == methods
     assert kv_vllm.status()["implementation"] is None
+
+
+def test_a_later_patch_over_a_guard_is_reported_and_refused(
+    fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31, item 3: another project's patch over a guard after install() bypasses it:
+    status(), the plugin's log line and its plan say so, install() again refuses it (or,
+    wrap_foreign, guards it again), as a first install would."""
+    from kvqueue import _vllm_plugin
+
+    kv_vllm.install("python", on_misuse="raise")
+    theirs = _module("their_project.patches")
+    exec("def free_blocks(self, blocks):\n    return MINE(self, blocks)", theirs.__dict__)
+    theirs.MINE = fake.pool.BlockPool._free
+    fake.pool.BlockPool.free_blocks = theirs.free_blocks
+    state = kv_vllm.status()
+    assert "free_blocks" not in state["guarded"]
+    assert state["pool_guard"]
+    assert list(state["bypassed"]) == ["free_blocks"]
+    assert "their_project.patches.free_blocks" in state["bypassed"]["free_blocks"]
+    monkeypatch.setenv(_env.VLLM, "1")
+    monkeypatch.delenv(_env.WRAP_FOREIGN, raising=False)
+    plan = _vllm_plugin.plan()
+    assert plan.action == "refuse"
+    assert "their_project" in plan.reason
+    with pytest.raises(kv_vllm.VLLMLayoutError, match="free_blocks is not vLLM's own"):
+        kv_vllm.install("python", on_misuse="raise")
+    assert kv_vllm.status()["bypassed"] == state["bypassed"]
+    monkeypatch.setenv(_env.WRAP_FOREIGN, "1")
+    with caplog.at_level("INFO", logger="kvqueue"):
+        kv_vllm.plugin()
+    assert kv_vllm.status()["bypassed"] == {}
+    assert "free_blocks" in kv_vllm.status()["guarded"]
+    pool = fake.pool.BlockPool(4)
+    (block,) = pool.get_new_blocks(1)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks([block, block])

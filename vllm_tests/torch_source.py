@@ -1,88 +1,60 @@
 """Say where the vLLM venv's torch would come from, before anything is installed.
 
 ``python torch_source.py VERSION [PIP_ARGS...]`` (vllm_tests/venv.sh runs it with the new venv's
-python) asks pip what ``pip install torch==VERSION PIP_ARGS`` would take (``--dry-run
---report``), through the machine's own pip configuration (index, extra indexes, find-links,
-environment) plus PIP_ARGS (venv.sh passes ``--extra-index-url $KVQUEUE_TORCH_INDEX`` when
-the user sets it). It prints the chosen torch wheel and where it is from. When that is not a
-CPU build (no ``+cpu`` local version: on PyPI ``torch==VERSION`` is the CUDA build, with its
-NVIDIA packages), it prints what would be downloaded and how much, and exits 3 unless
-``KVQUEUE_TORCH_CUDA=1`` says to take it: the user chooses, not this script.
+python) asks pip which builds of ``torch==VERSION`` the machine's own pip configuration (index,
+extra indexes, find-links, environment) plus PIP_ARGS offers (venv.sh passes
+``--extra-index-url $KVQUEUE_TORCH_INDEX`` when the user sets it): ``pip index versions``,
+which reads the indexes' listings and downloads no wheel (a dry run of the install fetched the
+whole torch wheel, 526 MB, to read its metadata, before it could refuse it). pip takes the CPU
+build (``VERSION+cpu``) when one is offered; otherwise the plain ``VERSION``, which on PyPI is
+the CUDA build with its NVIDIA packages: then it says, in one line, what to set and what each
+choice weighs, and exits 3 unless ``KVQUEUE_TORCH_CUDA=1`` says to take it: the user chooses,
+not this script.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import tempfile
-import urllib.parse
-import urllib.request
-from pathlib import Path
 
-# The packages that come with torch's CUDA build (the names its wheels on PyPI require).
-CUDA_PREFIXES = ("nvidia-", "cuda-", "triton")
+#: What each build weighs to download (torch 2.13.0 for x86_64 CPython 3.11: the CPU wheel
+#: 192 MB; PyPI's CUDA wheel 526 MB, plus about 15 NVIDIA packages of several GB).
+CPU_SIZE = "about 0.2 GB"
+CUDA_SIZE = "about 0.5 GB plus about 15 NVIDIA packages, several GB"
 
 
-def size(url: str) -> int | None:
-    """The size of the file at ``url`` (a local file, or the server's Content-Length)."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme == "file":
-        path = Path(urllib.request.url2pathname(parsed.path))
-        return path.stat().st_size if path.is_file() else None
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as r:
-            length = r.headers.get("Content-Length")
-    except OSError:
-        return None
-    return int(length) if length else None
-
-
-def plan(version: str, pip_args: list[str]) -> list[dict[str, str]]:
-    """What pip would install for torch: [{"name", "version", "url"}]."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
-             "--report", str(report), f"torch=={version}", *pip_args],
-            check=True,
-        )  # fmt: skip
-        chosen = json.loads(report.read_text(encoding="utf-8"))["install"]
-    return [
-        {"name": item["metadata"]["name"].lower(), "version": item["metadata"]["version"],
-         "url": item["download_info"]["url"]}
-        for item in chosen
-    ]  # fmt: skip
+def offered(pip_args: list[str]) -> list[str]:
+    """The versions of torch that pip's configuration plus ``pip_args`` offers, newest first."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "torch", *pip_args],
+        capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    for line in listed.splitlines():
+        if line.startswith("Available versions:"):
+            return [each.strip() for each in line.partition(":")[2].split(",")]
+    return []
 
 
 def main() -> int:
     version, pip_args = sys.argv[1], sys.argv[2:]
-    chosen = plan(version, pip_args)
-    (torch,) = [item for item in chosen if item["name"] == "torch"]
-    where = urllib.parse.urlparse(torch["url"])
-    source = where.path.rsplit("/", 1)[0] if where.scheme == "file" else where.netloc
-    wheel = urllib.parse.unquote(where.path.rsplit("/", 1)[-1])
-    cpu = torch["version"].endswith("+cpu")
-    build = "the CPU build" if cpu else "NOT a CPU build"
-    print(f"torch_source.py: torch {torch['version']} ({build}): {wheel} from {source}")
-    if cpu:
+    versions = offered(pip_args)
+    if f"{version}+cpu" in versions:
+        print(f"torch_source.py: torch {version}+cpu, the CPU build ({CPU_SIZE}), is offered")
         return 0
-    cuda = [
-        item for item in chosen if item["name"] == "torch" or item["name"].startswith(CUDA_PREFIXES)
-    ]
-    sizes = [size(item["url"]) for item in cuda]
-    known = sum(s for s in sizes if s)
-    unknown = "" if all(sizes) else f" (the size of {sizes.count(None)} unknown)"
+    if version in versions and os.environ.get("KVQUEUE_TORCH_CUDA") == "1":
+        print(
+            f"torch_source.py: torch {version}, the CUDA build ({CUDA_SIZE}): KVQUEUE_TORCH_CUDA=1"
+        )
+        return 0
+    found = "only the CUDA build" if version in versions else "no build"
     print(
-        f"torch_source.py: that is the CUDA build: {len(cuda)} packages "
-        f"({', '.join(item['name'] for item in cuda)}), {known / 1e9:.1f} GB to download"
-        f"{unknown}. vLLM's CPU path needs none of them.\n"
-        "  To take the CPU build: set KVQUEUE_TORCH_INDEX to a package index that serves "
-        f"torch {version}+cpu (an extra index for torch alone), or put that wheel where pip's "
-        "find-links looks.\n  To take the CUDA build anyway: KVQUEUE_TORCH_CUDA=1."
+        f"torch_source.py: {found} of torch {version} is offered (PyPI's is the CUDA build, "
+        f"{CUDA_SIZE}; vLLM's CPU path needs none of it): set KVQUEUE_TORCH_INDEX to an index "
+        f"that serves torch {version}+cpu ({CPU_SIZE}), or KVQUEUE_TORCH_CUDA=1 to take the "
+        "CUDA build"
     )
-    return 0 if os.environ.get("KVQUEUE_TORCH_CUDA") == "1" else 3
+    return 3
 
 
 if __name__ == "__main__":

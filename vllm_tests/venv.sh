@@ -12,9 +12,9 @@
 # Where torch comes from: wherever this machine's pip configuration finds it (index-url,
 # extra-index-url, find-links, PIP_* variables), plus KVQUEUE_TORCH_INDEX when the user sets it
 # (an extra index for torch, one that serves torch==TORCH_VERSION+cpu). Before installing,
-# vllm_tests/torch_source.py names the wheel pip would take and its source; when that is
-# the CUDA build (PyPI's torch==TORCH_VERSION, with its NVIDIA packages), it says how much
-# that downloads and stops, unless KVQUEUE_TORCH_CUDA=1 takes it. kvqueue is reinstalled from this checkout only when its sources changed since
+# vllm_tests/torch_source.py asks pip which builds are offered (no wheel downloaded); when
+# only the CUDA build is (PyPI's torch==TORCH_VERSION, with its NVIDIA packages), it says what
+# to set and what each choice weighs, and stops, unless KVQUEUE_TORCH_CUDA=1 takes it. kvqueue is reinstalled from this checkout only when its sources changed since
 # the last install (a hash kept in the venv). The cache root is .ci/common.sh's.
 # Progress goes to stderr; stdout is the path alone.
 set -euo pipefail

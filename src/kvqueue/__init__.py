@@ -22,12 +22,27 @@ def _pure() -> bool:
     try:
         return _env.flag(_env.PURE)
     except ValueError:
-        # `python -m kvqueue` imports this package first: it reports the bad value.
+        # `python -m kvqueue` imports this package first: it reports the bad value. So does
+        # the plugin (its plan reads every variable), which vLLM's loader imports this
+        # package for: raised here, vLLM would log it and start without kvqueue.
         from itertools import pairwise
 
-        if ("-m", "kvqueue") not in pairwise(sys.orig_argv):
+        if ("-m", "kvqueue") not in pairwise(sys.orig_argv) and not _vllms_loader():
             raise
         return False
+
+
+def _vllms_loader() -> bool:
+    """Whether vLLM's plugin loader (``vllm.plugins.load_plugins_by_group``) imports this."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "load_plugins_by_group"
+            and frame.f_globals.get("__name__") == "vllm.plugins"
+        ):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 IMPLEMENTATION: str

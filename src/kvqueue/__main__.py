@@ -2,54 +2,69 @@
 
 Prints the version, the twin ``import kvqueue`` loads and why, every environment variable
 kvqueue reads, and what vLLM's plugin loader will make of them: the plan that kvqueue's
-plugin itself carries out (``kvqueue._vllm_plugin.plan``). Exits 1 when the environment asks
-for what cannot happen (a bad value, a vLLM kvqueue refuses under a strict KVQUEUE_VLLM, a
-plugin vLLM will not call); --json prints the same as one object.
+plugin itself carries out (``kvqueue._vllm_plugin.plan``). When the plugin is on, vLLM's other
+general plugins are run first as vLLM runs them (those vLLM loads before kvqueue's before the
+plan, the others after it), so that the plan sees what they patch. Exits 1 when the
+environment asks for what cannot happen (a bad value, a vLLM kvqueue refuses under a strict
+KVQUEUE_VLLM, a plugin vLLM will not call, a guard a later plugin would bypass); --json prints
+the same as one object.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
 import sys
+import textwrap
 from importlib import metadata
 from typing import Any
 
 import kvqueue
 
-from . import _env, _vllm_lines, _vllm_plugin
+from . import _env, _foreign, _vllm_lines, _vllm_plugin
 
 
 def report() -> tuple[dict[str, Any], list[str]]:
     """What ``python -m kvqueue`` says, and the problems that make it exit 1."""
     problems: list[str] = []
+    vllm = _vllm()
+    decided = _vllm_plugin.plan()
+    called = decided.action != "off" and vllm.get("installed") and vllm["plugin_loaded_by_vllm"]
+    before, after = _others(vllm) if called else ([], [])
+    if before:
+        problems += _run(before)
+        decided = _vllm_plugin.plan()
+    problems += decided.problems
     try:
         _env.flag(_env.PURE)
+        implementation, why = kvqueue.IMPLEMENTATION, _why()
     except ValueError as exc:
-        problems.append(str(exc))
-    decided = _vllm_plugin.plan()
-    problems += decided.problems
+        implementation, why = None, f"it raises: {exc}"
+    settings = decided.settings
+    if settings is not None and settings["implementation"] == "auto":
+        settings = {**settings, "implementation": kvqueue.IMPLEMENTATION}
     facts: dict[str, Any] = {
         "kvqueue": kvqueue.__version__,
         "location": os.path.dirname(kvqueue.__file__),
         "python": sys.version.split()[0],
-        "implementation": kvqueue.IMPLEMENTATION,
-        "why": _why(),
+        "implementation": implementation,
+        "why": why,
         "environment": {name: os.environ.get(name) for name in _env.USER},
         "accepted_vllm_lines": [line.release for line in _vllm_lines.LINES],
     }
-    vllm = _vllm()
     facts["vllm"] = vllm
     facts["plugin"] = {
         "action": decided.action,
         "reason": decided.reason,
-        "settings": decided.settings,
+        "settings": settings,
+        "called_by_vllm": bool(called),
     }
     if decided.action == "refuse" and not decided.problems:
         problems.append(decided.reason)
-    elif decided.action != "off" and vllm.get("installed") and not vllm["plugin_loaded_by_vllm"]:
+    elif decided.action != "off" and vllm.get("installed") and not called:
         problems.append(
             f"{_env.VLLM}={os.environ.get(_env.VLLM)} but vLLM will not call kvqueue's plugin "
             + (
@@ -58,7 +73,56 @@ def report() -> tuple[dict[str, Any], list[str]]:
                 else "(its entry point is missing)"
             )
         )
+    if decided.action == "install" and after and settings and settings["pool_guard"]:
+        problems += _bypassing(after)
     return facts, problems
+
+
+def _others(vllm: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """vLLM's other general plugins that it calls, in its order: before kvqueue's, after."""
+    allowed = vllm["VLLM_PLUGINS"]
+    before: list[Any] = []
+    after: list[Any] = []
+    for point in metadata.entry_points(group="vllm.general_plugins"):
+        if point.name == "kvqueue":
+            before, after = before + after, []
+        elif allowed is None or point.name in allowed.split(","):
+            after.append(point)
+    return before, after
+
+
+def _run(points: list[Any]) -> list[str]:
+    """Call each plugin as vLLM would; what stops one is a problem."""
+    return [problem for point in points if (problem := _call(point))]
+
+
+def _call(point: Any) -> str | None:
+    try:
+        point.load()()
+    except (Exception, SystemExit) as exc:
+        return f"vLLM's plugin {point.name} raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def _bypassing(points: list[Any]) -> list[str]:
+    """The guarded methods that plugins vLLM calls after kvqueue's replace: bypassed."""
+    from . import _pool_guard
+
+    try:
+        pool_class = vars(importlib.import_module("vllm.v1.core.block_pool"))["BlockPool"]
+    except (Exception, SystemExit):
+        return []
+    was = {name: vars(pool_class).get(name) for name in _pool_guard.GUARDED}
+    problems = _run(points)
+    for name, method in was.items():
+        now = vars(pool_class).get(name)
+        if now is not method:
+            problems.append(
+                f"a plugin vLLM calls after kvqueue's replaces BlockPool.{name}, bypassing "
+                f"kvqueue's guard ({_foreign.method_patch(pool_class, name, now)}); "
+                f"{_env.WRAP_FOREIGN}=1 cannot help: the patch comes after the guard"
+            )
+    return problems
 
 
 def _why() -> str:
@@ -91,6 +155,9 @@ def _vllm() -> dict[str, Any]:
     }
 
 
+# The widest line printed (a problem or a meaning longer than that is wrapped).
+_WIDTH = 100
+
 _SAYS = {
     "off": "the plugin installs nothing",
     "install": "the plugin installs kvqueue",
@@ -101,32 +168,41 @@ _SAYS = {
 
 def _print(facts: dict[str, Any], problems: list[str]) -> None:
     print(f"kvqueue {facts['kvqueue']} ({facts['location']}), Python {facts['python']}")
-    print(f"import kvqueue loads: {facts['implementation']} twin ({facts['why']})")
+    if facts["implementation"] is None:
+        print(f"import kvqueue: {facts['why']}")
+    else:
+        print(f"import kvqueue loads: {facts['implementation']} twin ({facts['why']})")
     print("environment:")
     for name in _env.USER:
         value = facts["environment"][name]
         setting = f"{name}={value!r}" if value is not None else f"{name} unset"
-        print(f"  {setting:<28} {_env.MEANINGS[name]}")
+        meaning = textwrap.wrap(_env.MEANINGS[name], _WIDTH - 31)
+        print(f"  {setting:<28} {meaning[0]}")
+        for more in meaning[1:]:
+            print(f"{'':<31}{more}")
     lines = facts["accepted_vllm_lines"]
     print(f"accepted vLLM lines: {lines[0]} to {lines[-1]} (newest patch of each proven)")
     vllm = facts["vllm"]
     if not vllm["installed"]:
         print("vLLM: not installed")
     else:
+        allowed = vllm["VLLM_PLUGINS"]
         print(
             f"vLLM: plugin entry point {'registered' if vllm['plugin_registered'] else 'missing'}"
-            f"; VLLM_PLUGINS={vllm['VLLM_PLUGINS']!r}: vLLM "
-            + ("calls" if vllm["plugin_loaded_by_vllm"] else "does not call")
+            f"; {'VLLM_PLUGINS unset' if allowed is None else f'VLLM_PLUGINS={allowed!r}'}: "
+            + ("vLLM calls" if vllm["plugin_loaded_by_vllm"] else "vLLM does not call")
             + " kvqueue's plugin"
         )
     plan = facts["plugin"]
-    print(f"{_SAYS[plan['action']]}: {plan['reason']}")
     settings = plan["settings"]
-    if plan["action"] == "install" and settings is not None:
-        twin = settings["implementation"]
+    if plan["action"] != "off" and vllm["installed"] and not plan["called_by_vllm"]:
+        print("the plugin is not called, so it installs nothing")
+    else:
+        print(f"{_SAYS[plan['action']]}: {plan['reason']}")
+    if plan["action"] == "install" and plan["called_by_vllm"] and settings is not None:
         policy = settings["on_misuse"] or f"{facts['environment'][_env.MISUSE_POLICY] or 'raise'}"
         print(
-            f"  {kvqueue.IMPLEMENTATION if twin == 'auto' else twin} twin, on_misuse={policy}, "
+            f"  {settings['implementation']} twin, on_misuse={policy}, "
             f"pool guard {'on' if settings['pool_guard'] else 'off'}, holder audit "
             + (
                 f"each step (all listings every {settings['audit_every']})"
@@ -136,7 +212,7 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
             + (", over others' patches" if settings["wrap_foreign"] else "")
         )
     for problem in problems:
-        print(f"problem: {problem}")
+        print(textwrap.fill(f"problem: {problem}", _WIDTH, subsequent_indent="  "))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,16 @@ def number(n: int) -> str:
     return f"an integer of {int.bit_length(n)} bits"
 
 
+def times(n: int) -> str:
+    """``n`` times, worded: "once", "2 times"."""
+    return "once" if n == 1 else f"{number(n)} times"
+
+
+def plural(n: int, noun: str) -> str:
+    """``n`` of ``noun``, worded: "1 reference", "2 references"."""
+    return f"{number(n)} {noun}" if n == 1 else f"{number(n)} {noun}s"
+
+
 def empty() -> ValueError:
     return ValueError("No free blocks available")
 

@@ -60,4 +60,13 @@ def refused(patch: str, wrapped: str) -> VLLMLayoutError:
 def _replaced(what: str, found: object) -> str:
     module = getattr(found, "__module__", None) or "an unknown module"
     name = getattr(found, "__qualname__", None) or type(found).__qualname__
-    return f"{what}: {module}.{name} replaced it"
+    code = getattr(found, "__code__", None) if type(found) is FunctionType else None
+    if code is None:
+        return f"{what}: {module}.{name} replaced it"
+    path = code.co_filename.replace("\\", "/")
+    site = "/".join((path.rpartition("-packages/")[2] or path).split("/")[-4:])
+    site = f"{site}:{code.co_firstlineno}"
+    if hasattr(found, "__wrapped__"):
+        # A functools.wraps wrapper copied its name from what it wraps: named by its code.
+        return f"{what}: a wrapper defined at {site} (named {module}.{name}) replaced it"
+    return f"{what}: {module}.{name}, defined at {site}, replaced it"

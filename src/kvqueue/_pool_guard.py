@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from operator import index
 from types import ModuleType
 from typing import Any
@@ -53,7 +53,7 @@ from ._report import repaired as _repaired
 from ._report import then_log as _then_log
 from ._report import where as _where
 
-__all__ = ("AUDITED", "GUARDED", "guard", "originals", "pool_repairs", "unguard")
+__all__ = ("AUDITED", "GUARDED", "guard", "in_place", "originals", "pool_repairs", "unguard")
 
 #: The methods guarded, in the order a request meets them.
 GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
@@ -152,6 +152,25 @@ def originals(
     return found_methods
 
 
+def in_place(pool_class: type, names: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """Of ``names`` (the methods kvqueue guarded on ``pool_class``), those whose guard is on
+    the class now, and, by name, what replaced the others since: another project's later
+    patch, which calls reach instead of the guard (bypassed). O(len(names))."""
+    namespace = _namespace(pool_class)
+    guarded: list[str] = []
+    bypassed: dict[str, str] = {}
+    for name in sorted(names):
+        found = namespace.get(name)
+        made = _ours(found)
+        if made is not None and not made.retired:
+            guarded.append(name)
+        else:
+            bypassed[name] = _foreign.method_patch(pool_class, name, found) or (
+                f"{pool_class.__qualname__}.{name} is vLLM's own again"
+            )
+    return guarded, bypassed
+
+
 def guard(
     pool_class: type,
     screen: ModuleType,
@@ -177,7 +196,7 @@ def guard(
         made[name] = _WRAPPERS[name](_Guard(pool_class, name, original, screen, policy_of), line)
     for name, function in made.items():
         under = _ours(namespace.get(name)) is None
-        setattr(pool_class, name, function)
+        _assign(pool_class, name, function)
         if under:
             _retire(pool_class, name, keep=function)
     return replaced
@@ -190,8 +209,19 @@ def unguard(pool_class: type, originals: dict[str, Any]) -> None:
     for name, original in originals.items():
         made = _ours(namespace.get(name))
         if made is not None and made.original is original:
-            setattr(pool_class, name, original)
+            _assign(pool_class, name, original)
         _retire(pool_class, name)
+
+
+def _assign(pool_class: type, name: str, value: object) -> None:
+    """``setattr(pool_class, name, value)``, the method it replaces kept alive until the
+    assignment has returned. CPython frees a replaced class attribute inside the assignment,
+    before it invalidates the caches that hold it borrowed (the type's, each call site's);
+    a guard's last reference freed there runs ``forget``, where threads can switch, and a
+    call on another thread found the freed function in its cache (SIGSEGV, issue 31)."""
+    replaced = _namespace(pool_class).get(name)
+    setattr(pool_class, name, value)
+    del replaced
 
 
 def _retire(pool_class: type, name: str, keep: object = None) -> None:
@@ -327,7 +357,7 @@ _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
 class _Plan:
     """What a free of ``blocks`` on ``pool`` would do, read once (nothing changed)."""
 
-    __slots__ = ("dropped", "given", "in_list", "kept", "linked", "others", "refs")
+    __slots__ = ("dropped", "given", "in_list", "kept", "linked", "others", "refs", "strays")
 
     def __init__(self, pool: Any, blocks: list[Any], own: bool, method: str) -> None:
         self.kept: list[Any] = []
@@ -336,6 +366,9 @@ class _Plan:
         self.linked: list[Any] = []
         # Other pools' blocks, by pool, in the order vLLM hands them over.
         self.others: dict[int, tuple[Any, list[Any]]] = {}
+        # Blocks vLLM counts here that are not this pool's (of no pool; to unpin_blocks,
+        # which routes none, of another pool too): this pool's queue would refuse them.
+        self.strays: list[Any] = []
         self.given: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self.in_list: set[int] = set()
@@ -345,8 +378,10 @@ class _Plan:
             if own:
                 owner = block.pool
                 if owner is not pool:
-                    if owner is not None:
+                    if owner is not None and method == "free_blocks":
                         self.others.setdefault(id(owner), (owner, []))[1].append(block)
+                    else:
+                        self.strays.append(block)
                     self.kept.append(block)
                     continue
             elif not _in_pool(pool, block):
@@ -411,8 +446,10 @@ def _free(
         return original(pool, blocks, *args, **kwargs)
     method = made.name
     plan = _Plan(pool, blocks, line.has_pool_field, method)
-    if (plan.dropped or plan.linked) and made.policy_of(pool) == "raise":
-        _raise_double_free(pool, method, plan)
+    if (plan.dropped or plan.linked or plan.strays) and made.policy_of(pool) == "raise":
+        if plan.dropped or plan.linked:
+            _raise_double_free(pool, method, plan)
+        _screen_strays(pool, method, plan.strays)
     # Under their own "raise", other pools' blocks are screened before anything is freed
     # here: vLLM frees this pool's blocks first, then hands those over.
     if method == "free_blocks":
@@ -434,15 +471,35 @@ def _free(
 def _raise_double_free(pool: Any, method: str, plan: _Plan) -> None:
     block = (plan.dropped + plan.linked)[0]
     key = id(block)
-    refs = _errors.number(plan.refs[key])
+    refs = plan.refs[key]
     if key in plan.in_list:
-        what = f"which is in the free list already (ref_cnt {refs})"
+        what = f"which is in the free list already (ref_cnt {_errors.number(refs)})"
     else:
-        what = f"while it holds {refs} reference(s)"
+        what = f"while it holds {_errors.plural(refs, 'reference')}"
     raise ValueError(
-        f"{_call(method)} was given block {_named(block)} {plan.given[key]} time(s) "
+        f"{_call(method)} was given block {_named(block)} {_errors.times(plan.given[key])} "
         f"{what}: a double free; nothing was freed. {_where(pool)}"
     )
+
+
+def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
+    """Raise for a stray block this call would take to 0 (vLLM would queue it here, where
+    the queue refuses it after every count moved); one that keeps a reference is vLLM's."""
+    for block in strays:
+        if block.is_null:
+            continue
+        given = sum(1 for each in strays if each is block)
+        refs = _count(pool, method, block)
+        if given < refs:
+            continue
+        owner = block.pool
+        whose = "no pool" if owner is None else f"another pool (BlockPool at {id(owner):#x})"
+        raise ValueError(
+            f"{_call(method)} was given block {_named(block)}, a block of {whose}, which it "
+            f"would free into this pool's queue (ref_cnt {_errors.number(refs)}, given "
+            f"{_errors.times(given)}); that queue takes only this pool's blocks: nothing was "
+            f"freed. {_where(pool)}"
+        )
 
 
 def _screen_other(owner: Any, group: list[Any]) -> None:

@@ -27,6 +27,7 @@ from libc.string cimport memset
 
 __all__ = (
     "HOLDER_FAULTS",
+    "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
     "first_excess",
@@ -36,9 +37,11 @@ __all__ = (
 )
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
-#: pools, and blocks given more than once (within the references they hold).
+#: pools, blocks given more than once (within the references they hold), and blocks of
+#: no pool (which vLLM counts as the caller's, and its queue refuses).
 OTHER_POOLS = 1
 REPEATS = 2
+NO_POOL = 4
 #: What :func:`holder_faults` finds, in the order it looks: a block a holder lists that is
 #: in the free list; one listed twice by one holder of one manager; one listed by two
 #: managers; one listed more times than its ``ref_cnt``; one whose ``ref_cnt`` is no int.
@@ -109,7 +112,7 @@ def first_excess(list blocks, object pool):
     """The index of the first occurrence in ``blocks`` of a block of ``pool`` that would
     take its ``ref_cnt`` below 0 if each occurrence released one reference, that releases
     a block linked in a free list, or whose ``ref_cnt`` is no int; else ``-1 - flags``
-    (:data:`OTHER_POOLS`, :data:`REPEATS`); O(len(blocks)).
+    (:data:`OTHER_POOLS`, :data:`REPEATS`, :data:`NO_POOL`); O(len(blocks)).
 
     Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
     another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
@@ -140,8 +143,7 @@ def first_excess(list blocks, object pool):
             if pool is not None:
                 owner = _field(block, &lay, _POOL, "pool")
                 if owner is not pool:
-                    if owner is not None:
-                        flags |= OTHER_POOLS
+                    flags |= OTHER_POOLS if owner is not None else NO_POOL
                     i += 1
                     continue
             if _is_null(block, &lay):

@@ -21,6 +21,7 @@ from ._block import is_subtype
 
 __all__ = (
     "HOLDER_FAULTS",
+    "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
     "first_excess",
@@ -30,9 +31,11 @@ __all__ = (
 )
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
-#: pools, and blocks given more than once (within the references they hold).
+#: pools, blocks given more than once (within the references they hold), and blocks of
+#: no pool (which vLLM counts as the caller's, and its queue refuses).
 OTHER_POOLS = 1
 REPEATS = 2
+NO_POOL = 4
 
 _ZERO = 0
 
@@ -46,7 +49,7 @@ def first_excess(blocks: list[Any], pool: object) -> int:
     """The index of the first occurrence in ``blocks`` of a block of ``pool`` that would
     take its ``ref_cnt`` below 0 if each occurrence released one reference, that releases
     a block linked in a free list, or whose ``ref_cnt`` is no int; else ``-1 - flags``
-    (:data:`OTHER_POOLS`, :data:`REPEATS`); O(len(blocks)).
+    (:data:`OTHER_POOLS`, :data:`REPEATS`, :data:`NO_POOL`); O(len(blocks)).
 
     Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
     another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
@@ -64,8 +67,7 @@ def first_excess(blocks: list[Any], pool: object) -> int:
         if pool is not None:
             owner = block.pool
             if owner is not pool:
-                if owner is not None:
-                    flags |= OTHER_POOLS
+                flags |= OTHER_POOLS if owner is not None else NO_POOL
                 continue
         if block.is_null:
             continue

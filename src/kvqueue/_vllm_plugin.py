@@ -54,6 +54,8 @@ def plan() -> Plan:
     guard = _read(lambda: _env.flag(_env.POOL_GUARD, default=True), found)
     every = _read(lambda: _env.choice(_env.AUDIT_EVERY, _env.EVERY, _env.EVERY_DEFAULT), found)
     wrap = _read(lambda: _env.flag(_env.WRAP_FOREIGN), found)
+    # Read by import kvqueue, which vLLM's loader lets pass a bad value to this plan.
+    _read(lambda: _env.flag(_env.PURE), found)
     problems = tuple(found)
     if asked is None and not vllm_value_bad:
         return Plan("off", f"{_env.VLLM} unset or 0", problems=problems)
@@ -76,6 +78,11 @@ def plan() -> Plan:
         vllm.check(implementation, wrap_foreign=wrap)
     except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
         return Plan("refuse" if strict else "stay_off", str(exc), shown, exc)
+    except (Exception, SystemExit) as exc:
+        # vLLM's own import failed (a CUDA library missing, a sys.exit): in the plugin vLLM
+        # is imported already, so only python -m kvqueue gets here.
+        why = f"importing vLLM failed: {type(exc).__name__}: {exc}"
+        return Plan("refuse" if strict else "stay_off", why, shown, ImportError(why))
     return Plan("install", f"{_env.VLLM}={os.environ[_env.VLLM]}", shown)
 
 
@@ -130,13 +137,14 @@ def plugin() -> None:
 
         _log.logger.info(
             "kvqueue %s active on vLLM %s: vLLM's free block queue is kvqueue's %s twin, "
-            "pool guard %s, holder audit %s, on_misuse=%s",
+            "pool guard %s, holder audit %s, on_misuse=%s%s",
             kvqueue.__version__,
             after["line"],
             after["implementation"],
             "on (" + ", ".join(after["guarded"]) + ")" if after["pool_guard"] else "off",
             "on" if after["holder_audit"] else "off",
             after["on_misuse"] or _policy.resolve(None),
+            "".join(f"; {name} BYPASSED: {why}" for name, why in after["bypassed"].items()),
         )
 
 

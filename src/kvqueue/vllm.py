@@ -184,7 +184,12 @@ def install(
             wrap_foreign = state.wrap_foreign or wrap_foreign
             rebind = state.queue_class is not queue_class or state.on_misuse != on_misuse
             targets = _holders(None) if rebind else []
-            if pool_guard and (state.implementation != name or not state.pool_originals):
+            # A guard another project's later patch replaced is checked as a first install
+            # checks it: refused, or (wrap_foreign) wrapped by a new guard.
+            bypassed = _pool_guard.in_place(state.pool_class, state.pool_originals)[1]
+            if pool_guard and (
+                state.implementation != name or not state.pool_originals or bypassed
+            ):
                 if not state.pool_originals:
                     _originals(state, wrap_foreign)
                 state.wrap_foreign = wrap_foreign
@@ -358,17 +363,29 @@ def status() -> dict[str, Any]:
     ``implementation``: ``"cython"``, ``"python"`` or None (not installed); ``on_misuse``:
     the policy given to :func:`install` (None: ``KVQUEUE_ON_MISUSE`` decides per queue);
     ``line``: the vLLM line it was checked against (``"0.31"``); ``pool_guard``: whether
-    ``BlockPool``'s methods are guarded, and ``guarded``: which; ``holder_audit``: whether
-    each scheduler step starts with the holder audit (it follows the pool guard).
+    ``BlockPool``'s methods are guarded, and ``guarded``: which, as the class has them now;
+    ``bypassed``: the guarded methods another project patched since, each with what
+    replaced it (calls reach that patch, not the guard; :func:`install` refuses it, or
+    with ``wrap_foreign`` guards it again).
+    ``holder_audit``: whether each scheduler step starts with the holder audit (it follows
+    the pool guard).
     """
     state = _installed
+    guarded: list[str] = []
+    bypassed: dict[str, str] = {}
+    audited: list[str] = []
+    if state is not None:
+        guarded, bypassed = _pool_guard.in_place(state.pool_class, state.pool_originals)
+        audited, skipped = _pool_guard.in_place(state.manager_class, state.manager_originals)
+        bypassed.update({f"KVCacheManager.{name}": why for name, why in skipped.items()})
     return {
         "implementation": None if state is None else state.implementation,
         "on_misuse": None if state is None else state.on_misuse,
         "line": None if state is None else state.line.name,
-        "pool_guard": bool(state is not None and state.pool_originals),
-        "guarded": [] if state is None else sorted(state.pool_originals),
-        "holder_audit": bool(state is not None and state.manager_originals),
+        "pool_guard": bool(guarded),
+        "guarded": guarded,
+        "bypassed": bypassed,
+        "holder_audit": bool(audited),
     }
 
 
@@ -400,11 +417,17 @@ def patched(
 def check(implementation: Implementation = "auto", *, wrap_foreign: bool = False) -> None:
     """Raise what :func:`install` would raise on this vLLM, changing nothing.
 
-    A no-op when kvqueue is installed already (that install was checked).
+    When kvqueue is installed already (that install was checked), only what changed since:
+    a guarded method another project patched over the guard is refused as a first install
+    refuses it, unless ``wrap_foreign``.
     """
     queue_class, name = _queue_class(implementation)
     with _lock:
         if _installed is not None:
+            pool_class = _installed.pool_class
+            if _pool_guard.in_place(pool_class, _installed.pool_originals)[1]:
+                wrap_foreign = wrap_foreign or _installed.wrap_foreign
+                _pool_guard.originals(pool_class, wrap_foreign=wrap_foreign)
             return
         state = _checked(True, wrap_foreign, queue_class, name, None)
         _originals(state, wrap_foreign)

@@ -1,0 +1,61 @@
+"""vllm_tests/torch_source.py, the vLLM venv's torch check: pip's listing, no download."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from support.helpers import TESTS
+
+
+@pytest.fixture
+def torch_source() -> ModuleType:
+    path = TESTS.parent / "vllm_tests" / "torch_source.py"
+    spec = importlib.util.spec_from_file_location("torch_source", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("listed", "cuda", "status"),
+    [
+        ("2.14.0, 2.13.0+cpu, 2.13.0", "", 0),
+        ("2.14.0, 2.13.0", "", 3),
+        ("2.14.0, 2.13.0", "1", 0),
+        ("2.14.0", "1", 3),
+    ],
+)
+def test_the_check_downloads_nothing_and_says_what_to_set(
+    torch_source: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
+    listed: str,
+    cuda: str,
+    status: int,
+) -> None:
+    """Issue 31, item 10: only pip's listing is read (a dry run of the install downloaded
+    the 526 MB wheel); a refusal is one line naming both settings and their sizes."""
+    commands: list[list[str]] = []
+
+    def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        out = f"torch (2.14.0)\nAvailable versions: {listed}\n"
+        return subprocess.CompletedProcess(command, 0, out, "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("KVQUEUE_TORCH_CUDA", cuda)
+    monkeypatch.setattr("sys.argv", ["torch_source.py", "2.13.0"])
+    assert torch_source.main() == status
+    assert [command[3:5] for command in commands] == [["index", "versions"]]
+    [said] = capsys.readouterr().out.splitlines()
+    if status == 3:
+        assert "KVQUEUE_TORCH_INDEX" in said
+        assert "KVQUEUE_TORCH_CUDA=1" in said
+        assert "GB" in said
