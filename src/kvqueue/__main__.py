@@ -135,6 +135,12 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
             )
             + (", over others' patches" if settings["wrap_foreign"] else "")
         )
+    if plan["action"] in ("install", "stay_off"):
+        print(
+            "  counters: vllm serve's /metrics, per engine (kvqueue_guard_refusals_total, "
+            "kvqueue_guard_repairs_total, kvqueue_audit_findings_total; kvqueue_info says "
+            + ("active)" if plan["action"] == "install" else "not active, and why)")
+        )
     for problem in problems:
         print(f"problem: {problem}")
 
