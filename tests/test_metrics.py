@@ -134,7 +134,8 @@ def test_an_engines_counters_are_at_0_from_the_first_scrape_and_move(scraped: An
     rows = [row for row in text.splitlines() if row.startswith("kvqueue_") and "_total{" in row]
     assert len(rows) == len(_metrics.combinations(ACTIVE["guarded"].split(","), True))
     assert 'kvqueue_info{engine="1",holder_audit="on",model_name="stub-model"' in text
-    assert 'state="active"' in text and 'vllm_line="0.33"' in text
+    assert 'state="active"' in text
+    assert 'vllm_line="0.33"' in text
     _report.count_refusal("free_blocks", "double_free")
     _report.count_finding("listed_free")
     text = scraped()
@@ -145,7 +146,8 @@ def test_an_engines_counters_are_at_0_from_the_first_scrape_and_move(scraped: An
 def test_not_active_says_why(scraped: Any) -> None:
     _as_engine({"state": "not active", "reason": "vLLM 9.9.9 is not accepted"})
     text = scraped()
-    assert 'reason="vLLM 9.9.9 is not accepted"' in text and 'state="not active"' in text
+    assert 'reason="vLLM 9.9.9 is not accepted"' in text
+    assert 'state="not active"' in text
     assert "_total{" not in text
 
 
@@ -179,5 +181,6 @@ def test_a_front_end_makes_its_directory_once(monkeypatch: pytest.MonkeyPatch) -
     _metrics.start({}, registry=registry)
     made = os.environ[_env.METRICS_DIR]
     _metrics.start({}, registry=registry)
-    assert os.environ[_env.METRICS_DIR] == made and os.path.isdir(made)
+    assert os.environ[_env.METRICS_DIR] == made
+    assert os.path.isdir(made)
     assert len(list(registry._collector_to_names)) == 1

@@ -546,14 +546,18 @@ def test_vllm_serve_metrics_count_exactly_the_double_frees_injected(
     labels = 'engine="0",kind="double_free",method="free_blocks",model_name="stub"'
     repaired = f"kvqueue_guard_repairs_total{{{labels}}}"
     before = _kvqueue(first, "kvqueue_guard_") | _kvqueue(first, "kvqueue_audit_")
-    assert before and set(before.values()) == {0.0}
+    assert before
+    assert set(before.values()) == {0.0}
     after = _kvqueue(last, "kvqueue_guard_") | _kvqueue(last, "kvqueue_audit_")
     assert after.keys() == before.keys()
     assert after[repaired] == len(injected)
     assert sum(after.values()) == len(injected)
     (info,) = _kvqueue(last, "kvqueue_info{").items()
-    assert info[1] == 1.0 and 'state="active"' in info[0] and 'on_misuse="repair"' in info[0]
-    assert 'engine="0"' in info[0] and 'model_name="stub"' in info[0]
+    assert info[1] == 1.0
+    assert 'state="active"' in info[0]
+    assert 'on_misuse="repair"' in info[0]
+    assert 'engine="0"' in info[0]
+    assert 'model_name="stub"' in info[0]
     # vLLM's own metrics: every name listed without kvqueue is listed, deterministic ones equal.
     names = {sample.split("{")[0] for sample in plain_serve if sample.startswith("vllm:")}
     assert names <= {sample.split("{")[0] for sample in last}
@@ -568,11 +572,11 @@ def test_vllm_serve_metrics_say_kvqueue_is_not_active_on_a_line_it_does_not_acce
     """``KVQUEUE_VLLM=auto`` on a vLLM that says 0.99.0: kvqueue_info says not active, why."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(UNACCEPTED)
-    first, _, events = _serve_and_scrape(
-        tmp_path, {"KVQUEUE_VLLM": "auto"}, site=tmp_path / "site"
-    )
+    first, _, events = _serve_and_scrape(tmp_path, {"KVQUEUE_VLLM": "auto"}, site=tmp_path / "site")
     (start,) = [e for e in events if e["event"] == "started"]
     assert start["status"]["pool_guard"] is False
     (info,) = _kvqueue(first, "kvqueue_info{").items()
-    assert info[1] == 1.0 and 'state="not active"' in info[0] and "0.99.0" in info[0]
+    assert info[1] == 1.0
+    assert 'state="not active"' in info[0]
+    assert "0.99.0" in info[0]
     assert not _kvqueue(first, "kvqueue_guard_")

@@ -165,7 +165,9 @@ def _publish(labels: tuple[str, str], info: dict[str, str]) -> None:
     _, counters, gauges, labels, old = _files
     _files[3] = labels
     values = {**info, "engine": labels[0], "model_name": labels[1]}
-    key = mmap_key(INFO, INFO, list(_INFO_LABELS), [values.get(n, "") for n in _INFO_LABELS], _HELP[INFO])
+    key = mmap_key(
+        INFO, INFO, list(_INFO_LABELS), [values.get(n, "") for n in _INFO_LABELS], _HELP[INFO]
+    )
     if old is not None and old != key:
         gauges.write_value(old, 0.0, 0.0)
     gauges.write_value(key, 1.0, 0.0)
@@ -192,4 +194,6 @@ def _write(outcome: str, method: str, kind: str, count: int) -> None:
         names, values = ["engine", "model_name", "kind"], [engine, model, kind]
     else:
         names, values = ["engine", "model_name", "method", "kind"], [engine, model, method, kind]
-    _files[1].write_value(mmap_key(name, name + "_total", names, values, _HELP[name]), float(count), 0.0)
+    _files[1].write_value(
+        mmap_key(name, name + "_total", names, values, _HELP[name]), float(count), 0.0
+    )
