@@ -211,6 +211,13 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
             )
             + (", over others' patches" if settings["wrap_foreign"] else "")
         )
+    if plan["action"] in ("install", "stay_off") and plan["called_by_vllm"]:
+        said = "active)" if plan["action"] == "install" else "not active, and why)"
+        counters = (
+            "counters: vllm serve's /metrics, per engine (kvqueue_guard_refusals_total, "
+            f"kvqueue_guard_repairs_total, kvqueue_audit_findings_total; kvqueue_info: {said}"
+        )
+        print(textwrap.fill(counters, _WIDTH, initial_indent="  ", subsequent_indent="    "))
     for problem in problems:
         print(textwrap.fill(f"problem: {problem}", _WIDTH, subsequent_indent="  "))
 

@@ -16,6 +16,7 @@ __all__ = (
     "AUDIT_EVERY",
     "FLAG",
     "MEANINGS",
+    "METRICS_DIR",
     "MISUSE_POLICY",
     "POOL_GUARD",
     "PURE",
@@ -36,6 +37,9 @@ VLLM = "KVQUEUE_VLLM"
 POOL_GUARD = "KVQUEUE_POOL_GUARD"
 WRAP_FOREIGN = "KVQUEUE_WRAP_FOREIGN"
 AUDIT_EVERY = "KVQUEUE_AUDIT_EVERY"
+#: Not a user's: the directory kvqueue's plugin makes in vLLM's front-end process for its
+#: metrics, inherited by the processes vLLM starts (``kvqueue._metrics``).
+METRICS_DIR = "KVQUEUE_METRICS_DIR"
 
 #: Every variable a user sets, in the order ``python -m kvqueue`` and the README list them,
 #: with what it does (the README's table of settings is checked against these).

@@ -476,6 +476,7 @@ def _raise_double_free(pool: Any, method: str, plan: _Plan) -> None:
         what = f"which is in the free list already (ref_cnt {_errors.number(refs)})"
     else:
         what = f"while it holds {_errors.plural(refs, 'reference')}"
+    _report.count_refusal(method, "double_free" if plan.dropped else "held_free")
     raise ValueError(
         f"{_call(method)} was given block {_named(block)} {_errors.times(plan.given[key])} "
         f"{what}: a double free; nothing was freed. {_where(pool)}"
@@ -556,6 +557,7 @@ def _touch(
     ]
     if negative and made.policy_of(pool) == "raise":
         block = negative[0]
+        _report.count_refusal("touch", "negative_ref")
         raise ValueError(
             f"{_call('touch')} was given block {_named(block)} whose ref_cnt is "
             f"{_errors.number(_count(pool, 'touch', block))}: it was freed more times than "
@@ -605,6 +607,7 @@ def _alloc(
         return original(pool, num_blocks, *args, **kwargs)
     if made.policy_of(pool) == "raise":
         block, refs = bad[0]
+        _report.count_refusal("get_new_blocks", "held_free" if refs > 0 else "negative_ref")
         raise ValueError(
             f"{_call('get_new_blocks')} would hand out block {_named(block)}, which "
             f"is in the free list with ref_cnt {_errors.number(refs)} (0 for a free block): a "

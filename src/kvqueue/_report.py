@@ -23,7 +23,9 @@ __all__ = (
     "call",
     "count_audit",
     "count_finding",
+    "count_refusal",
     "count_repair",
+    "events",
     "freed",
     "frees_made",
     "last_freed",
@@ -42,6 +44,11 @@ _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictio
 # and the steps it audited.
 _findings: dict[str, int] = dict.fromkeys(_errors.AUDIT_MISUSES, 0)
 _audited = [0]
+# Every refusal (under "raise") and repair of the guard and its audit in this process, and
+# every finding of the audit, by (outcome, method, kind); each count is handed to the one
+# watcher (kvqueue's metrics, ``_metrics``) as it moves.
+_events: dict[tuple[str, str, str], int] = {}
+_watcher: list[Callable[[str, str, str, int], None]] = []
 
 # The last frees the guard passed, newest last: (the blocks, the caller's code and line).
 # The audit names the one that last released a block it finds shared; a step frees far
@@ -73,6 +80,29 @@ def count_audit() -> None:
 
 def count_finding(kind: _errors.AuditMisuse) -> None:
     _findings[kind] += 1
+    _event("found", "new_step_starts", kind)
+
+
+def count_refusal(method: str, kind: str) -> None:
+    """Count a misuse of ``kind`` that ``method``'s guard (or the audit's) is about to raise."""
+    _event("refused", method, kind)
+
+
+def events() -> dict[tuple[str, str, str], int]:
+    """This process's refusals, repairs and findings, by (outcome, method, kind)."""
+    return dict(_events)
+
+
+def watch(watcher: Callable[[str, str, str, int], None] | None) -> None:
+    """Hand every count that moves from now on to ``watcher`` (None: to no one)."""
+    _watcher[:] = [] if watcher is None else [watcher]
+
+
+def _event(outcome: str, method: str, kind: str) -> None:
+    key = (outcome, method, kind)
+    count = _events[key] = _events.get(key, 0) + 1
+    for watcher in _watcher:
+        watcher(outcome, method, kind, count)
 
 
 # A repair to log: (message arguments). Logged once vLLM's method has run, so that
@@ -84,17 +114,18 @@ def repaired(
     pool: Any, method: str, block: Any, kind: _errors.PoolMisuse, notes: list[Note]
 ) -> int:
     """Count a repair of ``kind`` on ``pool``, and note its log line; the pool's count of it."""
-    count = count_repair(pool, kind)
+    count = count_repair(pool, kind, method)
     notes.append((call(method), kind, count, named(block), _errors.REPAIRED[kind], pool))
     return count
 
 
-def count_repair(pool: Any, kind: _errors.PoolMisuse) -> int:
-    """Count a repair of ``kind`` on ``pool``; the pool's count of it."""
+def count_repair(pool: Any, kind: _errors.PoolMisuse, method: str) -> int:
+    """Count a repair of ``kind`` by ``method``'s guard on ``pool``; the pool's count of it."""
     counts = _repairs.get(pool)
     if counts is None:
         counts = _repairs[pool] = dict.fromkeys(_errors.POOL_MISUSES, 0)
     counts[kind] += 1
+    _event("repaired", method, kind)
     return counts[kind]
 
 

@@ -126,6 +126,7 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         _report.count_finding(kind)
     if policy == "raise":
         kind, block = found[0]
+        _report.count_refusal("new_step_starts", kind)
         raise _errors.HolderAuditError(
             f"kvqueue's holder audit, before the scheduler step: block "
             f"{_report.named(block)} {_what(kind, block, holders[id(block)])}; a second "
@@ -145,7 +146,7 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         if refs < len(listed):
             block.ref_cnt = len(listed)
             steps.append(f"ref_cnt {_errors.number(refs)} -> {len(listed)}")
-        count = _report.count_repair(pool, kind)
+        count = _report.count_repair(pool, kind, "new_step_starts")
         done = ", ".join(steps) or "its ref_cnt covers its holders already; counted only"
         lines.append((kind, count, _report.named(block), what, done))
     where = _report.where(pool)

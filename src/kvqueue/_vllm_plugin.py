@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from importlib import metadata
 from typing import Any, Literal
 
-from . import _env, _log, _policy, _vllm_lines
+from . import _env, _log, _metrics, _policy, _vllm_lines
 
 __all__ = ("Plan", "plan", "plugin")
 
@@ -117,6 +118,7 @@ def plugin() -> None:
         raise decided.error
     if decided.action == "stay_off":
         _stay_off(decided.reason)
+        _metrics.start(_not_active(decided.reason))
         return
     from . import vllm
 
@@ -130,8 +132,10 @@ def plugin() -> None:
         if os.environ.get(_env.VLLM) != "auto":
             raise
         _stay_off(str(exc))
+        _metrics.start(_not_active(str(exc)))
         return
     after = vllm.status()
+    _metrics.start(_active(after))
     if after != before:
         import kvqueue
 
@@ -146,6 +150,31 @@ def plugin() -> None:
             after["on_misuse"] or _policy.resolve(None),
             "".join(f"; {name} BYPASSED: {why}" for name, why in after["bypassed"].items()),
         )
+
+
+def _active(status: dict[str, Any]) -> dict[str, str]:
+    """The labels of ``kvqueue_info`` for what ``status()`` says is installed."""
+    return {
+        "state": "active",
+        "twin": status["implementation"],
+        "on_misuse": status["on_misuse"] or _policy.resolve(None),
+        "vllm_line": status["line"],
+        "vllm_version": _vllm_version(),
+        "pool_guard": "on" if status["pool_guard"] else "off",
+        "holder_audit": "on" if status["holder_audit"] else "off",
+        "guarded": ",".join(status["guarded"]),
+    }
+
+
+def _not_active(reason: str) -> dict[str, str]:
+    return {"state": "not active", "reason": reason[:300], "vllm_version": _vllm_version()}
+
+
+def _vllm_version() -> str:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:  # vLLM without its metadata: the line says which
+        return ""
 
 
 def _stay_off(reason: str) -> None:
