@@ -574,23 +574,30 @@ def plain_serve(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_vllm_serve_metrics_count_exactly_the_double_frees_injected(
     tmp_path: Path, api_servers: int, plain_serve: Any
 ) -> None:
-    """Under ``repair``, forms A and B once each: ``kvqueue_guard_repairs_total`` moves by
-    exactly the injections, at 0 before; every vLLM metric is still there, same values."""
-    settings = {"KVQUEUE_VLLM": "1", "KVQUEUE_ON_MISUSE": "repair", INJECT: "AB"}
+    """Under ``repair``, forms A, B and D once each: ``kvqueue_guard_repairs_total`` moves by
+    exactly the injections (D's where the holder audit repaired it, which its findings count
+    too), at 0 before; every vLLM metric is still there, same values."""
+    settings = {"KVQUEUE_VLLM": "1", "KVQUEUE_ON_MISUSE": "repair", INJECT: "ABD"}
     options = ("--api-server-count", str(api_servers))
     first, last, events = _serve_and_scrape(tmp_path, settings, *options)
     injected = [e for e in events if e["event"] == "injected"]
-    assert {e["form"] for e in injected} == {"A", "B"}
-    assert not [e for e in events if e["event"] in ("violation", "died")]
+    assert sorted(e["form"] for e in injected) == ["A", "B", "D"]
+    assert not [e for e in events if e["event"] == "died"]
+    # D's release shows until the next step's audit repairs it; nothing else ever shows.
+    assert all(e["phase"] == "released" for e in events if e["event"] == "violation")
     labels = 'engine="0",kind="double_free",method="free_blocks",model_name="stub"'
     repaired = f"kvqueue_guard_repairs_total{{{labels}}}"
+    audit = 'engine="0",kind="listed_free",method="new_step_starts",model_name="stub"'
+    found = 'engine="0",kind="listed_free",model_name="stub"'
     before = _kvqueue(first, "kvqueue_guard_") | _kvqueue(first, "kvqueue_audit_")
     assert before
     assert set(before.values()) == {0.0}
     after = _kvqueue(last, "kvqueue_guard_") | _kvqueue(last, "kvqueue_audit_")
     assert after.keys() == before.keys()
-    assert after[repaired] == len(injected)
-    assert sum(after.values()) == len(injected)
+    assert after[repaired] == 2
+    assert after[f"kvqueue_guard_repairs_total{{{audit}}}"] == 1
+    assert after[f"kvqueue_audit_findings_total{{{found}}}"] == 1
+    assert sum(after.values()) == 4
     (info,) = _kvqueue(last, "kvqueue_info{").items()
     assert info[1] == 1.0
     assert 'state="active"' in info[0]

@@ -21,7 +21,7 @@ engine-core process, where the ``BlockPool`` lives. It changes none of vLLM's bl
   in the prefix cache. ``C`` is what such a double free leaves in a full pool: once a step has
   scheduled every block, a block that a running request holds (``ref_cnt`` 1) is linked into
   the free list, which then counts one free block, so the next allocation meets it.
-  ``D`` releases a reference another holder still has: once a step has left several requests
+  ``D`` releases a reference another holder still has: once a step has left a request
   running, a connector-like caller frees a running request's only reference to its last
   block (``BlockPool.free_blocks()`` of that one block, a call that adds up): the block is
   free while the request still lists it, and the next allocation can hand it to another.
@@ -52,7 +52,7 @@ GUARDED = ("free_blocks", "touch", "get_new_blocks", "unpin_blocks")
 #: Changes of the pool's violations written down; later ones are only counted.
 DETAILED = 40
 #: Form D waits for a step that leaves this many requests running.
-RUNNING_FOR_D = 4
+RUNNING_FOR_D = 1
 
 
 class Journal:
