@@ -16,13 +16,13 @@ import gc
 import random
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 from statistics import median
 from time import perf_counter_ns, thread_time_ns
 from typing import Any
 
 import launch
 from launch import bootstrap_median, interval, short
+from screens import Block
 
 SIZES = (1_000, 10_000, 100_000)
 PER_REQUEST = 32
@@ -32,20 +32,6 @@ FREED = 8
 FULL, QUICK = (7, 41), (3, 11)
 TWINS = {"cython": "kvqueue._screen", "python": "kvqueue._screen_py"}
 CLOCKS = {"wall": perf_counter_ns, "cpu": thread_time_ns}
-
-
-@dataclass(slots=True)
-class Block:
-    """vLLM 0.33's ``KVCacheBlock``'s fields, laid out as its ``@dataclass(slots=True)``."""
-
-    block_id: int
-    ref_cnt: int = 0
-    pool: Any = field(default=None, repr=False)
-    _block_hash: Any = None
-    _block_hash_num_tokens: int | None = None
-    prev_free_block: Block | None = None
-    next_free_block: Block | None = None
-    is_null: bool = False
 
 
 def cache(listed: int, rng: random.Random) -> tuple[list[Block], list[Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from types import ModuleType
 from typing import Any
@@ -32,6 +33,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def queue_mod(request: pytest.FixtureRequest) -> ModuleType:
     """The twin under test."""
     return twin(request.param)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("kvqueue._screen", id="c", marks=pytest.mark.c_extension),
+        pytest.param("kvqueue._screen_py", id="py"),
+    ],
+)
+def screen(request: pytest.FixtureRequest) -> ModuleType:
+    """The pool guard's screens under test, both twins."""
+    return importlib.import_module(request.param)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

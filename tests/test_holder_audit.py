@@ -6,7 +6,6 @@ The real ``Scheduler`` of every line is vllm_tests/test_holder_audit.py's.
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,17 +28,6 @@ from support.fake_pool import (
 )
 
 NEWEST = LINES[-1]
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("kvqueue._screen", id="c", marks=pytest.mark.c_extension),
-        pytest.param("kvqueue._screen_py", id="py"),
-    ],
-)
-def screen(request: pytest.FixtureRequest) -> ModuleType:
-    return importlib.import_module(request.param)
 
 
 class Block:

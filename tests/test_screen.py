@@ -3,7 +3,6 @@ against an oracle that counts occurrences the slow way."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import random
 import sys
@@ -45,17 +44,6 @@ class SlottedBlock:
 @pytest.fixture(params=[Block, SlottedBlock], ids=["dict", "slots"])
 def block_class(request: pytest.FixtureRequest) -> type:
     return request.param  # type: ignore[no-any-return]
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("kvqueue._screen", id="c", marks=pytest.mark.c_extension),
-        pytest.param("kvqueue._screen_py", id="py"),
-    ],
-)
-def screen(request: pytest.FixtureRequest) -> ModuleType:
-    return importlib.import_module(request.param)
 
 
 def oracle(blocks: list[Block]) -> int:

@@ -259,17 +259,8 @@ class CheckedScheduler(Scheduler):
             block = self._candidate(form, blocks) if left and blocks else None
             if block is None:
                 continue
-            self.left[form] -= 1
             blocks.append(block)
-            self.journal.write(
-                "injected",
-                form=form,
-                step=self.steps,
-                request=request_id,
-                block=block.block_id,
-                ref_cnt=block.ref_cnt,
-                free_blocks=self.pool.get_num_free_blocks(),
-            )
+            self._injected(form, request_id, block)
             return int(block.block_id)
         return None
 
@@ -279,19 +270,23 @@ class CheckedScheduler(Scheduler):
             block = next((b for b in blocks if not b.is_null and b.ref_cnt == 1), None)
             if block is None:
                 continue
-            self.left["C"] -= 1
             self.pool.free_block_queue.append(block)
-            self.journal.write(
-                "injected",
-                form="C",
-                step=self.steps,
-                request=request_id,
-                block=block.block_id,
-                ref_cnt=block.ref_cnt,
-                free_blocks=self.pool.get_num_free_blocks(),
-            )
+            self._injected("C", request_id, block)
             self._check("planted")  # the planted state, before anything meets it
             return
+
+    def _injected(self, form: str, request_id: str, block: Any) -> None:
+        """Count an injection of ``form`` and write it down, the block's state before it."""
+        self.left[form] -= 1
+        self.journal.write(
+            "injected",
+            form=form,
+            step=self.steps,
+            request=request_id,
+            block=block.block_id,
+            ref_cnt=block.ref_cnt,
+            free_blocks=self.pool.get_num_free_blocks(),
+        )
 
     def _release(self) -> None:
         """Form D: a running request's only reference to its last block, freed by another
@@ -300,16 +295,7 @@ class CheckedScheduler(Scheduler):
             block = blocks[-1] if blocks else None
             if block is None or block.is_null or block.ref_cnt != 1:
                 continue
-            self.left["D"] -= 1
-            self.journal.write(
-                "injected",
-                form="D",
-                step=self.steps,
-                request=request_id,
-                block=block.block_id,
-                ref_cnt=block.ref_cnt,
-                free_blocks=self.pool.get_num_free_blocks(),
-            )
+            self._injected("D", request_id, block)
             self.pool.free_blocks([block])
             self._check("released")
             return
