@@ -605,7 +605,7 @@ def test_a_stray_block_vllm_would_queue_is_refused_first(kind, monkeypatch):
     own = pool.get_new_blocks(3)
     stray = kv_cache_utils.KVCacheBlock(1000)
     stray.ref_cnt = 1
-    with pytest.raises(ValueError, match="block 1000, a block of no pool.*Pool: BlockPool"):
+    with pytest.raises(ValueError, match=r"block 1000, a block of no pool.*Pool: BlockPool"):
         pool.free_blocks([*own, stray])
     assert [block.ref_cnt for block in own] == [1, 1, 1]
     assert stray.ref_cnt == 1
