@@ -313,6 +313,10 @@ def test_a_stray_block_is_refused_before_any_count_moves(
                     getattr(mine, method)([*own, stray], *args)
                 assert (state(mine), state(theirs), stray.ref_cnt) == before
             consistent(mine)
+            # vLLM's own tests free blocks of no pool at 0 (never queued): vLLM's handling.
+            unqueued = VllmStyleBlock(98)
+            mine.free_blocks([unqueued])
+            assert unqueued.ref_cnt == -1
             mine.free_blocks(own)
             consistent(mine)
 

@@ -597,6 +597,23 @@ def test_a_log_handler_that_calls_back_into_the_pool(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", KVQUEUE)
+def test_a_stray_block_vllm_would_queue_is_refused_first(kind, monkeypatch):
+    """Issue 31, item 7: a block of no pool that free_blocks would take to 0 (vLLM counts it
+    as the pool's, and kvqueue's queue refuses it) is refused before any count moves; it
+    left the pool's own blocks at ref_cnt 0 in no list."""
+    pool = new_pool(kind, "raise", monkeypatch)
+    own = pool.get_new_blocks(3)
+    stray = kv_cache_utils.KVCacheBlock(1000)
+    stray.ref_cnt = 1
+    with pytest.raises(ValueError, match=r"block 1000, a block of no pool.*Pool: BlockPool"):
+        pool.free_blocks([*own, stray])
+    assert [block.ref_cnt for block in own] == [1, 1, 1]
+    assert stray.ref_cnt == 1
+    pool.free_blocks(own)
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+@pytest.mark.parametrize("kind", KVQUEUE)
 def test_blocks_of_no_pool_keep_vllms_handling(kind, monkeypatch):
     """Some of vLLM's own tests free blocks they made themselves (``KVCacheBlock(id)``, no
     pool): the guard checks a pool's own blocks only, so those calls do what vLLM does."""
