@@ -149,7 +149,8 @@ class Probe:
         self.audit_ns = 0
 
     def audit(self, original: Any) -> Any:
-        clock = time.perf_counter_ns
+        # The thread's CPU time, as the step's: a share of the step, on a loaded host too.
+        clock = time.thread_time_ns
 
         def timed(*args: Any) -> None:
             start = clock()
