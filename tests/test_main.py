@@ -99,3 +99,34 @@ def test_the_accepted_lines_are_the_tables() -> None:
     from kvqueue._vllm_lines import LINES
 
     assert report()["accepted_vllm_lines"] == [line.release for line in LINES]
+
+
+def _fake_vllm(root: Any, version: str) -> str:
+    """A directory holding an importable ``vllm`` of distribution version ``version``."""
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    info = root / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return str(root)
+
+
+def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
+    """Text and JSON say which vLLM is installed and what the table of lines says of it:
+    the newest line accepted, one line newer not yet (and how to check it)."""
+    from kvqueue._vllm_lines import LINES
+
+    newest = LINES[-1]
+    newer = "{}.{}.0".format(newest.minor[0], newest.minor[1] + 1)
+    for version, said in (
+        (newest.release, f"accepted: line {newest.name}, proven at {newest.release}"),
+        (newer, f"not accepted yet: vLLM {newer} is newer than the newest line"),
+    ):
+        where = _fake_vllm(tmp_path / version, version)
+        found = report(PYTHONPATH=where)["vllm"]
+        assert found["version"] == version
+        assert found["verdict"].startswith(said)
+        text = run(PYTHONPATH=where).stdout
+        assert f"\nvLLM {version}: {said}" in text
+    assert f"make vllm-line-check VLLM={newer}" in found["verdict"]
+    assert f"({newest.name}, proven at {newest.release})" in found["verdict"]
