@@ -94,7 +94,7 @@ bench-screens: $(BENCH_VENV)/.ready
 bench-scheduler:
 	@echo "bench-scheduler: vLLM $(VLLM_VERSION) on $(PYTHON311)"
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
-	    && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
+	    && $(WITH_VLLM_TESTS) "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
 
 # A live vLLM engine (vllm_tests/live/) serving rounds of requests, per queue: a table of
 # medians (BENCH_ARGS="--repeats 1": one run each).

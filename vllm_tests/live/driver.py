@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import no_triton
 from live import INJECT, INJECT_COUNT, JOURNAL, model
 
 HERE = Path(__file__).resolve().parent
@@ -167,6 +168,8 @@ def main() -> int:
         "outputs": [],
         "error": None,
     }
+    # vLLM 0.34+ refuses an x86 CPU without triton-cpu; the stub model runs no kernel.
+    no_triton.allow()
     try:
         if args.api == "llm":
             serve_llm(args, result)
