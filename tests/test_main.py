@@ -117,7 +117,7 @@ def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
     from kvqueue._vllm_lines import LINES
 
     newest = LINES[-1]
-    newer = "{}.{}.0".format(newest.minor[0], newest.minor[1] + 1)
+    newer = f"{newest.minor[0]}.{newest.minor[1] + 1}.0"
     for version, said in (
         (newest.release, f"accepted: line {newest.name}, proven at {newest.release}"),
         (newer, f"not accepted yet: vLLM {newer} is newer than the newest line"),

@@ -26,7 +26,6 @@ from support.fake_pool import (
     block_class,
     consistent,
     guarded,
-    line,
     make_pool,
     policy_of,
     pool_class,
@@ -324,7 +323,8 @@ def test_a_block_whose_pool_is_gone_is_skipped_as_vllm_skips_it(
         (orphan,) = gone.get_new_blocks(1)
         del gone
         gc.collect()
-        assert orphan.pool is not None and orphan.pool() is None
+        assert orphan.pool is not None
+        assert orphan.pool() is None
         (a,) = mine.get_new_blocks(1)
         mine.free_blocks([orphan, a, orphan])
         assert (orphan.ref_cnt, a.ref_cnt) == (1, 0)
@@ -343,7 +343,8 @@ def test_blocks_of_a_live_pool_and_of_no_pool_by_weak_reference(
         theirs = make_pool(cls, queue_mod, 6, policy)
         (a,) = mine.get_new_blocks(1)
         (b,) = theirs.get_new_blocks(1)
-        assert b.pool is weak_line.pool_ref(theirs) and b.pool() is theirs
+        assert b.pool is weak_line.pool_ref(theirs)
+        assert b.pool() is theirs
         stray = block_class(weak_line)(99, ref_cnt=1)
         if policy == "raise":
             before = (state(mine), state(theirs), stray.ref_cnt)

@@ -23,8 +23,8 @@ from support.vllm_stubs import POOL, UTILS, VllmQueue, as_vllms
 # The versions these tests name, all from the lines' table: the newest line, a release one
 # line newer (not accepted yet) and one line older than the oldest (not accepted).
 NEWEST = LINES[-1]
-NEWER = "{}.{}.0".format(NEWEST.minor[0], NEWEST.minor[1] + 1)
-OLDER = "{}.{}.1".format(LINES[0].minor[0], LINES[0].minor[1] - 1)
+NEWER = f"{NEWEST.minor[0]}.{NEWEST.minor[1] + 1}.0"
+OLDER = f"{LINES[0].minor[0]}.{LINES[0].minor[1] - 1}.1"
 
 # A stand-in for vLLM's BlockPool with the guarded methods a line defines (their parameter
 # names are the line's: install() checks them); it looks the queue up by its module-global

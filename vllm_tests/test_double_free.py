@@ -440,7 +440,8 @@ def test_a_block_whose_pool_is_gone_is_skipped(kind, monkeypatch):
     (orphan,) = gone.get_new_blocks(1)
     del gone
     gc.collect()
-    assert orphan.pool is not None and orphan.pool() is None
+    assert orphan.pool is not None
+    assert orphan.pool() is None
     (block,) = mine.get_new_blocks(1)
     mine.free_blocks([orphan, block, orphan])
     assert (orphan.ref_cnt, block.ref_cnt) == (1, 0)
@@ -456,7 +457,8 @@ def test_evict_first_with_a_double_free(kind, how, policy, monkeypatch, caplog):
     repaired alike, and vLLM still queues the cached block at the front, as asked."""
     pool = new_pool(kind, policy, monkeypatch)
     cached, plain = pool.get_new_blocks(2)
-    cache(pool, cached, kv_cache_utils.make_block_hash_with_group_id(kv_cache_utils.BlockHash(b"h"), 0))
+    block_hash = kv_cache_utils.BlockHash(b"h")
+    cache(pool, cached, kv_cache_utils.make_block_hash_with_group_id(block_hash, 0))
     args, kwargs = ((True,), {}) if how == "position" else ((), {"evict_first": True})
     if policy == "raise":
         with pytest.raises(ValueError, match=rf"block {cached.block_id} 2 time"):
@@ -490,7 +492,7 @@ def test_repair_skips_the_second_free(kind, monkeypatch):
 def cache(pool: Any, block: Any, block_hash: Any) -> None:
     """Cache a full block as vLLM's ``cache_full_blocks`` does: its hash (``set_block_hash``
     from 0.24, which keeps the number of tokens hashed too; the ``block_hash`` setter in
-    0.23; 0.34 made both plain fields), and the pool's map from hashes to blocks, whence reuse evicts it (0.23 resets the
+    0.23), and the pool's map from hashes to blocks, whence reuse evicts it (0.23 resets the
     hash of a block only when it finds it there)."""
     if any(name.endswith("block_hash_num_tokens") for name in LINE.block_fields):
         block.set_block_hash(block_hash)

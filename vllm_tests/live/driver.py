@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import no_triton
+
 from live import INJECT, INJECT_COUNT, JOURNAL, model
 
 HERE = Path(__file__).resolve().parent
