@@ -14,6 +14,7 @@ requests hold at once gives one of them another request's tokens, and a wrong co
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from live import model
+
+_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
 #: What ``determine_available_memory`` reports: far more than the pool's override needs.
 AVAILABLE_BYTES = 1 << 34
@@ -142,10 +145,12 @@ class StubWorker:
                 sampled.append([token])
             else:  # a chunk of a longer prompt: nothing is sampled yet
                 sampled.append([])
+        # vLLM 0.34 dropped req_id_to_index (the index is the position in req_ids).
+        index = {"req_id_to_index": {request_id: i for i, request_id in enumerate(request_ids)}}
         return ModelRunnerOutput(
             req_ids=request_ids,
-            req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
             sampled_token_ids=sampled,
+            **(index if _HAS_INDEX else {}),
         )
 
     def _update(self, scheduler_output: Any) -> dict[str, int]:
