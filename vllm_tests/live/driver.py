@@ -31,6 +31,11 @@ import no_triton
 
 from live import INJECT, INJECT_COUNT, JOURNAL, model
 
+# vLLM 0.34+ refuses an x86 CPU without triton-cpu; the stub model runs no kernel. At import:
+# an engine core that vLLM spawns imports this module again (as __mp_main__) before it checks
+# its config.
+no_triton.allow()
+
 HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 16
 #: Request i of every round starts with the same two-block prefix, its own: round r + 1's
@@ -169,8 +174,6 @@ def main() -> int:
         "outputs": [],
         "error": None,
     }
-    # vLLM 0.34+ refuses an x86 CPU without triton-cpu; the stub model runs no kernel.
-    no_triton.allow()
     try:
         if args.api == "llm":
             serve_llm(args, result)

@@ -160,13 +160,18 @@ class StubWorker:
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             (block_ids,) = new.block_ids  # one KV cache group
-            self.requests[new.req_id] = Request(list(new.prompt_token_ids), list(block_ids))
+            known = self.requests.get(new.req_id)
+            if known is not None:  # 0.34+: back from preemption, sent again as new
+                known.block_ids = list(block_ids)
+            else:
+                self.requests[new.req_id] = Request(list(new.prompt_token_ids), list(block_ids))
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             request = self.requests[request_id]
             new_ids = cached.new_block_ids[i]
-            if request_id in cached.resumed_req_ids:  # back from preemption: a new table
+            # Back from preemption (before 0.34): a new table.
+            if request_id in getattr(cached, "resumed_req_ids", ()):
                 (block_ids,) = new_ids
                 request.block_ids = list(block_ids)
             elif new_ids is not None:
