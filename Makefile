@@ -12,6 +12,9 @@
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
 #                         (VLLM=0.31.0 or VLLM=0.31: another line of src/kvqueue/_vllm_lines.py)
 #   make vllm-matrix      make vllm-tests for every line of that table (VLLM_MATRIX=--ci: CI's)
+#   make vllm-line-check VLLM=0.35.0
+#                         a release's wheel against the table: the row to add, or what differs;
+#                         a row already: its suites three ways (vllm_tests/line_check.py)
 #   make demo             a double free in a live vLLM engine: vLLM alone, kvqueue raise, repair
 #                         (VLLM=0.31.0: on that vLLM line; examples/demo.py)
 #   make memcheck         the compiled twin under AddressSanitizer and valgrind
@@ -42,7 +45,7 @@ PIP := -m pip install -q
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
 
-.PHONY: test bench bench-screens bench-audit bench-scheduler bench-engine demo lint memcheck py314 vllm-tests vllm-matrix clean
+.PHONY: test bench bench-screens bench-audit bench-scheduler bench-engine demo lint memcheck py314 vllm-tests vllm-matrix vllm-line-check clean
 
 $(VENV)/.ready: $(SOURCES)
 	$(PYTHON) -m venv --clear $(VENV)
@@ -95,7 +98,7 @@ bench-audit: $(BENCH_VENV)/.ready
 bench-scheduler:
 	@echo "bench-scheduler: vLLM $(VLLM_VERSION) on $(PYTHON311)"
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
-	    && "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
+	    && $(WITH_VLLM_TESTS) "$$venv/bin/python" bench/scheduler.py $(BENCH_ARGS)
 
 # A live vLLM engine (vllm_tests/live/) serving rounds of requests, per queue: a table of
 # medians (BENCH_ARGS="--repeats 1": one run each).
@@ -112,6 +115,14 @@ vllm-tests:
 	@echo "vllm-tests: vLLM $(VLLM) on $(PYTHON311)"
 	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
 	    && "$$venv/bin/python" vllm_tests/run.py --line $(VLLM) $(VLLM_TESTS_ARGS)
+
+# A release on the index, read from its wheel against the lines' table (line_check.py): the row
+# to add (exit 1) or what kvqueue's code must learn first (exit 2); once it is a row that its
+# wheel agrees with, its suites three ways, as make vllm-tests runs them.
+vllm-line-check:
+	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
+	    && "$$venv/bin/python" vllm_tests/line_check.py $(VLLM) \
+	    && $(MAKE) --no-print-directory vllm-tests VLLM=$(VLLM)
 
 # Every line, each to its end even when one fails; then the table of their results.
 VLLM_MATRIX ?= --list

@@ -128,6 +128,7 @@ class Setup:
     """One workload's requests and vLLM config, made once for all its runs."""
 
     def __init__(self, w: Workload) -> None:
+        import no_triton  # vllm_tests/, on the PYTHONPATH the Makefile sets
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -135,6 +136,7 @@ class Setup:
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+        no_triton.allow()  # vLLM 0.34+ refuses an x86 CPU without triton-cpu (no kernel runs)
         self.workload = w
         self.specs = make_workload(w)
         self.outputs = {s.request_id: s.output for s in self.specs}

@@ -226,3 +226,34 @@ def test_a_plugin_vllm_does_not_call_is_not_said_to_install(tmp_path: Any) -> No
     assert "VLLM_PLUGINS='kvqueue': vLLM calls" in done.stdout
     assert "VLLM_PLUGINS unset" in run(**env).stdout
     _narrow(run(KVQUEUE_VLLM="1"))
+
+
+def _versioned_vllm(root: Any, version: str) -> str:
+    """A directory holding an importable ``vllm`` of distribution version ``version``."""
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    info = root / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return str(root)
+
+
+def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
+    """Text and JSON say which vLLM is installed and what the table of lines says of it:
+    the newest line accepted, one line newer not yet (and how to check it)."""
+    from kvqueue._vllm_lines import LINES
+
+    newest = LINES[-1]
+    newer = f"{newest.minor[0]}.{newest.minor[1] + 1}.0"
+    for version, said in (
+        (newest.release, f"accepted: line {newest.name}, proven at {newest.release}"),
+        (newer, f"not accepted yet: vLLM {newer} is newer than the newest line"),
+    ):
+        where = _versioned_vllm(tmp_path / version, version)
+        found = report(PYTHONPATH=where)["vllm"]
+        assert found["version"] == version
+        assert found["verdict"].startswith(said)
+        text = run(PYTHONPATH=where).stdout
+        assert f"\nvLLM {version}: {said}" in text
+    assert f"make vllm-line-check VLLM={newer}" in found["verdict"]
+    assert f"({newest.name}, proven at {newest.release})" in found["verdict"]

@@ -5,6 +5,7 @@ vLLM's real pools: vllm_tests/test_double_free.py and vllm_tests/test_guard_host
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import math
 import re
@@ -26,7 +27,6 @@ from support.fake_pool import (
     block_class,
     consistent,
     guarded,
-    line,
     make_pool,
     policy_of,
     pool_class,
@@ -190,8 +190,8 @@ def test_a_misused_call_with_wrong_arguments_raises_vllms_error_unrepaired(
 ) -> None:
     for pool in _pool(queue_mod, NEWEST, "repair"):
         (block,) = pool.get_new_blocks(1)
-        with pytest.raises(TypeError):
-            pool.free_blocks([block, block], True)
+        with pytest.raises(TypeError):  # one argument more than any line's free_blocks takes
+            pool.free_blocks([block, block], True, True)
         assert block.ref_cnt == 1
         assert _pool_guard.pool_repairs(pool)["double_free"] == 0
 
@@ -332,6 +332,109 @@ def test_another_pools_misuse_under_its_repair_is_repaired_there(
         mine.free_blocks([a, b, b])
         assert a.ref_cnt == b.ref_cnt == 0
         assert _pool_guard.pool_repairs(theirs)["double_free"] == 1
+        consistent(mine)
+        consistent(theirs)
+
+
+# --- vLLM 0.34+: blocks name their pool by a weak reference, free_blocks(evict_first) ---
+
+WEAK_LINES = [each for each in LINES if each.weak_pool]
+
+
+@pytest.fixture(params=WEAK_LINES, ids=[each.name for each in WEAK_LINES])
+def weak_line(request: pytest.FixtureRequest) -> Line:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_a_block_whose_pool_is_gone_is_skipped_as_vllm_skips_it(
+    queue_mod: ModuleType, weak_line: Line, policy: str, quiet: Any
+) -> None:
+    """0.34's free_blocks skips a block whose pool is gone, however often it is given."""
+    with guarded(queue_mod, weak_line) as cls:
+        mine = make_pool(cls, queue_mod, 6, policy)
+        gone = make_pool(cls, queue_mod, 4, policy)
+        (orphan,) = gone.get_new_blocks(1)
+        del gone
+        gc.collect()
+        assert orphan.pool is not None
+        assert orphan.pool() is None
+        (a,) = mine.get_new_blocks(1)
+        mine.free_blocks([orphan, a, orphan])
+        assert (orphan.ref_cnt, a.ref_cnt) == (1, 0)
+        assert _pool_guard.pool_repairs(mine) == dict.fromkeys(_pool_guard.pool_repairs(mine), 0)
+        consistent(mine)
+
+
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_blocks_of_a_live_pool_and_of_no_pool_by_weak_reference(
+    queue_mod: ModuleType, weak_line: Line, policy: str, quiet: Any
+) -> None:
+    """Another live pool's block goes to that pool (its double free screened there first);
+    a block of no pool is released as vLLM releases it, unscreened."""
+    with guarded(queue_mod, weak_line) as cls:
+        mine = make_pool(cls, queue_mod, 6, "repair")
+        theirs = make_pool(cls, queue_mod, 6, policy)
+        (a,) = mine.get_new_blocks(1)
+        (b,) = theirs.get_new_blocks(1)
+        assert b.pool is weak_line.pool_ref(theirs)
+        assert b.pool() is theirs
+        stray = block_class(weak_line)(99, ref_cnt=1)
+        if policy == "raise":
+            before = (state(mine), state(theirs), stray.ref_cnt)
+            with pytest.raises(ValueError, match="given block 1 2 time"):
+                mine.free_blocks([a, b, stray, b])
+            assert (state(mine), state(theirs), stray.ref_cnt) == before
+            mine.free_blocks([a, b, stray])
+        else:
+            mine.free_blocks([a, b, stray, b])
+            assert _pool_guard.pool_repairs(theirs)["double_free"] == 1
+        assert (a.ref_cnt, b.ref_cnt, stray.ref_cnt) == (0, 0, 0)
+        assert _pool_guard.pool_repairs(mine)["double_free"] == 0
+        consistent(mine)
+        consistent(theirs)
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["position", "keyword", "all_keywords"],
+)
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_evict_first_by_position_and_by_keyword(
+    queue_mod: ModuleType, weak_line: Line, policy: str, call: str, quiet: Any
+) -> None:
+    """A double free with evict_first: screened alike, and vLLM is given evict_first as
+    it was passed (cached blocks to the front, here and in the other pool it hands to)."""
+    blocks_name, flag_name = weak_line.pool_methods["free_blocks"]
+    hash_name = weak_line.block_fields[3]
+
+    def free(pool: Any, blocks: list[Any]) -> None:
+        if call == "position":
+            pool.free_blocks(blocks, True)
+        elif call == "keyword":
+            pool.free_blocks(blocks, **{flag_name: True})
+        else:
+            pool.free_blocks(**{blocks_name: blocks, flag_name: True})
+
+    with guarded(queue_mod, weak_line) as cls:
+        mine = make_pool(cls, queue_mod, 6, policy)
+        theirs = make_pool(cls, queue_mod, 6, policy)
+        a, b = mine.get_new_blocks(2)
+        (c,) = theirs.get_new_blocks(1)
+        for block in (a, b, c):
+            setattr(block, hash_name, b"cached")  # without evict_first: queued last
+        if policy == "raise":
+            before = (state(mine), state(theirs))
+            with pytest.raises(ValueError, match="double free"):
+                free(mine, [a, c, a, b])
+            assert (state(mine), state(theirs)) == before
+            free(mine, [a, c, b])
+        else:
+            free(mine, [a, c, a, b])
+            assert _pool_guard.pool_repairs(mine)["double_free"] == 1
+        assert (a.ref_cnt, b.ref_cnt, c.ref_cnt) == (0, 0, 0)
+        assert {id(x) for x in mine.free_block_queue.get_all_free_blocks()[:2]} == {id(a), id(b)}
+        assert theirs.free_block_queue.get_all_free_blocks()[0] is c
         consistent(mine)
         consistent(theirs)
 
@@ -483,7 +586,7 @@ def _vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Any:
         vllm_stubs.MANAGER: vllm_stubs.manager_module(),
     }
     modules["vllm"].__version__ = NEWEST.release  # type: ignore[attr-defined]
-    modules[utils_name].KVCacheBlock = VllmStyleBlock  # type: ignore[attr-defined]
+    modules[utils_name].KVCacheBlock = block_class(NEWEST)  # type: ignore[attr-defined]
     modules[utils_name].FreeKVCacheBlockQueue = vllm_stubs.VllmQueue  # type: ignore[attr-defined]
     modules[pool_name].FreeKVCacheBlockQueue = vllm_stubs.VllmQueue  # type: ignore[attr-defined]
     for name, module in modules.items():
@@ -642,19 +745,23 @@ def _vllms_block_class(of: Line) -> type:
 
 
 def test_remove_of_an_invalid_block_says_what_vllm_says(queue_mod: ModuleType) -> None:
-    for of in (line("0.23"), line("0.24"), NEWEST):
+    # Every layout: 0.23 (no token count), 0.24-0.33 (private hash fields), 0.34+ (public).
+    for of in LINES:
         cls = _vllms_block_class(of)
         blocks = [cls(i) for i in range(3)]
         queue = queue_mod.FreeKVCacheBlockQueue(blocks)
         queue.popleft()
         blocks[0].ref_cnt = 2
-        blocks[0]._block_hash = b"\x01h"
-        tokens = "" if of.name == "0.23" else "_block_hash_num_tokens=None, "
+        hash_field = of.block_fields[3 if of.has_pool_field else 2]
+        assert hash_field.endswith("block_hash")
+        setattr(blocks[0], hash_field, b"\x01h")
+        tokens = f"{hash_field}_num_tokens"
+        tokens = f"{tokens}=None, " if tokens in of.block_fields else ""
         with pytest.raises(RuntimeError) as info:
             queue.remove(blocks[0])
         assert str(info.value) == (
             "remove() called on an invalid block: KVCacheBlock(block_id=0, ref_cnt=2, "
-            f"_block_hash=b'\\x01h', {tokens}prev_free_block=None, next_free_block=None)"
+            f"{hash_field}=b'\\x01h', {tokens}prev_free_block=None, next_free_block=None)"
         )
     own = [KVCacheBlock(i) for i in range(3)]
     queue = queue_mod.FreeKVCacheBlockQueue(own[1:])

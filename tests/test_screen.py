@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import random
 import sys
+import weakref
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -205,3 +206,47 @@ def test_an_unset_slot_raises_as_getattr_does(screen: ModuleType) -> None:
     del head.next_free_block
     with pytest.raises(AttributeError, match="next_free_block"):
         screen.first_held_free(head, 1)
+
+
+class _Pool:
+    """A pool as vLLM 0.34+ names it in its blocks: by a weak reference (``_weak_self``)."""
+
+
+def test_weak_pool_references_as_vllm_0_34_reads_them(
+    screen: ModuleType, block_class: type
+) -> None:
+    """Own blocks by the pool's weak reference are screened; another live pool's raise
+    OTHER_POOLS; a block whose pool is gone (free_blocks skips it, unpin_blocks would queue
+    it here) and a block of no pool raise NO_POOL: the guard looks at what the call does."""
+    mine, theirs, gone = _Pool(), _Pool(), _Pool()
+    ref, their_ref, gone_ref = weakref.ref(mine), weakref.ref(theirs), weakref.ref(gone)
+    del gone
+    assert gone_ref() is None
+    own = block_class(1, pool=ref)
+    assert screen.first_excess([own], ref) == -1
+    assert screen.first_excess([own, own], ref) == 1
+    other = block_class(0, pool=their_ref)
+    assert screen.first_excess([own, other, other], ref) == -1 - screen.OTHER_POOLS
+    orphan = block_class(0, pool=gone_ref)
+    assert screen.first_excess([orphan, own, orphan], ref) == -1 - screen.NO_POOL
+    assert screen.first_excess([block_class(0, pool=None), own], ref) == -1 - screen.NO_POOL
+    # Another weak reference to this very pool is not its _weak_self: vLLM hands it on.
+    assert screen.first_excess([block_class(0, pool=weakref.ref(mine, print))], ref) == -2
+    assert screen.first_negative([block_class(-1, pool=gone_ref)], ref) == -1
+    assert screen.first_negative([block_class(-1, pool=ref)], ref) == 0
+
+
+def test_only_an_exact_weak_reference_is_called(screen: ModuleType, block_class: type) -> None:
+    """A pool field of another callable type is never called by a screen: flagged, to the
+    guard and vLLM."""
+    calls = []
+
+    class Ref(weakref.ref):  # type: ignore[type-arg]
+        def __call__(self) -> Any:
+            calls.append(self)
+            return None
+
+    mine = _Pool()
+    odd = block_class(0, pool=Ref(mine))
+    assert screen.first_excess([odd], weakref.ref(mine)) == -1 - screen.OTHER_POOLS
+    assert calls == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,19 +17,27 @@ import kvqueue.vllm as kv_vllm
 from kvqueue import _env
 from kvqueue._vllm_lines import LINES, Line
 
-from support.blocks import VllmStyleBlock, layout
+from support.blocks import layout
 from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
+
+# The versions these tests name, all from the lines' table: the newest line, a release one
+# line newer (not accepted yet) and one line older than the oldest (not accepted).
+NEWEST = LINES[-1]
+NEWER = f"{NEWEST.minor[0]}.{NEWEST.minor[1] + 1}.0"
+OLDER = f"{LINES[0].minor[0]}.{LINES[0].minor[1] - 1}.1"
 
 # A stand-in for vLLM's BlockPool with the guarded methods a line defines (their parameter
 # names are the line's: install() checks them); it looks the queue up by its module-global
 # name at construction, as vLLM's does.
 POOL_SOURCE = textwrap.dedent(
     """
+    import weakref
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
     class BlockPool:
         def __init__(self, num_gpu_blocks):
             self.num_gpu_blocks = num_gpu_blocks
+            self._weak_self = weakref.ref(self)
             self.blocks = [KVCacheBlock(idx, **OWNER(self)) for idx in range(num_gpu_blocks)]
             self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
             self.null_block = self.free_block_queue.popleft()
@@ -79,15 +88,12 @@ def line_block(line: Line) -> type:
 def _line_pool(pool: Any, line: Line) -> None:
     """Give the fake ``BlockPool`` exactly ``line``'s guarded methods and parameters."""
     cls = pool.BlockPool
-    pool.OWNER = (lambda p: {"pool": p}) if line.has_pool_field else (lambda p: {})
+    pool.OWNER = (lambda p: {"pool": line.pool_ref(p)}) if line.has_pool_field else (lambda p: {})
     if "unpin_blocks" not in line.pool_methods:
         del cls.unpin_blocks
-    source = (
-        "def free_blocks(self, ordered_blocks, prepend=False):\n"
-        if line.counts_first
-        else ("def free_blocks(self, ordered_blocks):\n")
-    )
-    body = "    return BlockPool._free(self, ordered_blocks)\n"
+    first, *rest = line.pool_methods["free_blocks"]
+    source = f"def free_blocks(self, {', '.join([first, *(f'{name}=False' for name in rest)])}):\n"
+    body = f"    return BlockPool._free(self, {first})\n"
     cls._free = cls.free_blocks
     exec(compile(source + body, "<fake block_pool>", "exec"), pool.__dict__)
     function = pool.__dict__.pop("free_blocks")
@@ -110,13 +116,14 @@ class FakeVllm:
         version: str | None = None,
         block_class: Any = ...,
         queue_class: type | None = None,
-        line: Line = LINES[-1],
+        line: Line = NEWEST,
     ) -> None:
         self.monkeypatch = monkeypatch
         if block_class is ...:  # the line's own
-            block_class = VllmStyleBlock if line is LINES[-1] else line_block(line)
+            block_class = line_block(line)
+        self.block_class = block_class
         if queue_class is None:
-            queue_class = VllmQueue if line is LINES[-1] else line_queue(line)
+            queue_class = VllmQueue if line is NEWEST else line_queue(line)
         self.vllm = _module("vllm", __version__=line.release if version is None else version)
         self.utils = _module(UTILS, KVCacheBlock=block_class, FreeKVCacheBlockQueue=queue_class)
         self.queue_class = queue_class
@@ -189,8 +196,8 @@ def test_install_patches_the_pool_lookup(fake: FakeVllm, queue_mod: ModuleType) 
     queue: Any = pool.free_block_queue
     assert type(pool.free_block_queue) is queue_class
     # vLLM's block class, unchanged, is the queue's block class.
-    assert queue.block_type is VllmStyleBlock
-    assert type(queue.fake_free_list_head) is VllmStyleBlock
+    assert queue.block_type is fake.block_class
+    assert type(queue.fake_free_list_head) is fake.block_class
     assert pool.null_block is pool.blocks[0]
     assert queue.num_free_blocks == 7
     popped = queue.popleft_n(3)
@@ -276,7 +283,10 @@ def test_uninstall_leaves_a_later_patch_alone(fake: FakeVllm) -> None:
     assert fake.bindings() == (VllmQueue, Theirs)
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1rc1", "0.33.0.dev12+g0abc"])
+@pytest.mark.parametrize(
+    "version",
+    [f"{NEWEST.name}.{tail}" for tail in ("0", "2", "1rc1", "0.dev12+g0abc")],
+)
 def test_known_versions(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     fake = FakeVllm(monkeypatch, version=version)
     queue_class = kv_vllm.install("python")
@@ -307,16 +317,19 @@ def _assert_refused(fake: FakeVllm, match: str, **kwargs: Any) -> None:
     assert kv_vllm.status()["implementation"] is None
 
 
-ACCEPTED = r"kvqueue accepts the vLLM lines .*\(0\.23, 0\.24, .*, 0\.33\)"
+ACCEPTED = (
+    rf"kvqueue accepts the vLLM lines .*\({re.escape(LINES[0].name)}, "
+    rf"{re.escape(LINES[1].name)}, .*, {re.escape(NEWEST.name)}\)"
+)
 
 
-@pytest.mark.parametrize("version", ["0.22.1", "0.34.0", "1.0.0", "dev", "0", ""])
+@pytest.mark.parametrize("version", [OLDER, NEWER, "1.0.0", "dev", "0", ""])
 def test_unknown_version_refused(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     fake = FakeVllm(monkeypatch, version=version)
     _assert_refused(fake, ACCEPTED)
     # The version check alone can be skipped: the line whose layout this is is taken.
     assert kv_vllm.install("python", check_version=False) is not None
-    assert kv_vllm.status()["line"] == "0.33"
+    assert kv_vllm.status()["line"] == NEWEST.name
 
 
 @pytest.mark.parametrize(
@@ -337,11 +350,11 @@ def test_a_layout_unlike_its_lines_refused(
 def test_a_pool_method_unlike_its_lines_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeVllm(monkeypatch)
     del fake.pool.BlockPool.unpin_blocks
-    _assert_refused(fake, r"BlockPool lacks unpin_blocks\(\), unlike vLLM 0.33")
+    _assert_refused(fake, rf"BlockPool lacks unpin_blocks\(\), unlike vLLM {NEWEST.name}")
     fake = FakeVllm(monkeypatch)
     exec("def free_blocks(self, blocks): pass", fake.pool.__dict__)
     fake.pool.BlockPool.free_blocks = fake.pool.__dict__.pop("free_blocks")
-    _assert_refused(fake, r"BlockPool.free_blocks\('blocks',\) differs from vLLM 0.33's")
+    _assert_refused(fake, rf"BlockPool.free_blocks\('blocks',\) differs from vLLM {NEWEST.name}'s")
 
 
 def test_missing_version_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -357,39 +370,19 @@ def _no_distribution(name: str) -> str:
     raise PackageNotFoundError(name)
 
 
-# vLLM 0.33's fields, then layouts that differ from every line's.
-_FIELDS_033 = (
-    "block_id",
-    "ref_cnt",
-    "pool",
-    "_block_hash",
-    "_block_hash_num_tokens",
-    "prev_free_block",
-    "next_free_block",
-    "is_null",
-)
-ExtraFieldBlock = layout("ExtraFieldBlock", (*_FIELDS_033, "last_access"))
-ReorderedBlock = layout(
-    "ReorderedBlock",
-    (
-        "block_id",
-        "ref_cnt",
-        "pool",
-        "_block_hash",
-        "prev_free_block",
-        "next_free_block",
-        "_block_hash_num_tokens",
-        "is_null",
-    ),
-)
-UnslottedBlock = layout("UnslottedBlock", _FIELDS_033, slots=False)
+# The newest line's fields, then layouts that differ from every line's (one field more; the
+# hash's token count moved after the links).
+_FIELDS = NEWEST.block_fields
+ExtraFieldBlock = layout("ExtraFieldBlock", (*_FIELDS, "last_access"))
+ReorderedBlock = layout("ReorderedBlock", (*_FIELDS[:4], *_FIELDS[5:7], _FIELDS[4], *_FIELDS[7:]))
+UnslottedBlock = layout("UnslottedBlock", _FIELDS, slots=False)
 
 
 @pytest.mark.parametrize(
     ("block_class", "match"),
     [
-        (ExtraFieldBlock, "has fields .*last_access.*vLLM 0.33's are"),
-        (ReorderedBlock, "vLLM 0.33's are"),
+        (ExtraFieldBlock, f"has fields .*last_access.*vLLM {NEWEST.name}'s are"),
+        (ReorderedBlock, f"vLLM {NEWEST.name}'s are"),
         (UnslottedBlock, "must be a __slots__ member"),
         (kvqueue.KVCacheBlock, "is not a dataclass"),
         (None, "is not a dataclass"),
@@ -462,12 +455,12 @@ def test_empty_queue_threads_vllms_block(fake: FakeVllm, queue_mod: ModuleType) 
     kv_vllm.install(_implementation(queue_mod))
     queue = fake.utils.FreeKVCacheBlockQueue([])
     assert type(queue) is queue_mod.FreeKVCacheBlockQueue
-    assert queue.block_type is VllmStyleBlock
-    blocks = [VllmStyleBlock(i) for i in range(3)]
+    assert queue.block_type is fake.block_class
+    blocks = [fake.block_class(i) for i in range(3)]
     queue.append_n(blocks)
     assert queue.get_all_free_blocks() == blocks
     # Also from an empty iterator, and an explicit block_type still wins.
-    assert fake.pool.FreeKVCacheBlockQueue(iter(())).block_type is VllmStyleBlock
+    assert fake.pool.FreeKVCacheBlockQueue(iter(())).block_type is fake.block_class
     own = fake.utils.FreeKVCacheBlockQueue([], block_type=kvqueue.KVCacheBlock)
     assert own.block_type is kvqueue.KVCacheBlock
     # kvqueue's own name keeps kvqueue's default.
@@ -657,7 +650,7 @@ def test_a_module_whose_getattr_raises_changes_nothing(
 def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = FakeVllm(monkeypatch, version="0.22.1")
+    fake = FakeVllm(monkeypatch, version=OLDER)
     monkeypatch.setenv(_env.VLLM, "auto")
     with caplog.at_level("WARNING", logger="kvqueue"):
         kv_vllm.plugin()
@@ -667,14 +660,33 @@ def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
     [record] = caplog.records
     assert record.levelname == "WARNING"
     assert "kvqueue stays off (KVQUEUE_VLLM=auto)" in record.getMessage()
-    assert "0.23, 0.24" in record.getMessage()
+    assert f"{LINES[0].name}, {LINES[1].name}" in record.getMessage()
+
+
+def test_plugin_auto_on_a_newer_vllm_says_what_and_how_to_check(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One WARNING: the version, the newest accepted line, and how to check for a kvqueue
+    that accepts it; vLLM runs on, untouched."""
+    fake = FakeVllm(monkeypatch, version=NEWER)
+    monkeypatch.setenv(_env.VLLM, "auto")
+    with caplog.at_level("WARNING", logger="kvqueue"):
+        kv_vllm.plugin()
+    assert kv_vllm.status()["implementation"] is None
+    assert fake.bindings() == (VllmQueue, VllmQueue)
+    [record] = caplog.records
+    message = record.getMessage()
+    assert record.levelname == "WARNING"
+    assert f"not vLLM {NEWER}: vLLM {NEWER} is newer than the newest line" in message
+    assert f"({NEWEST.name}, proven at {NEWEST.release})" in message
+    assert f"make vllm-line-check VLLM={NEWER}" in message
 
 
 @pytest.mark.parametrize("value", ["1", "python"])
 def test_plugin_strict_stops_a_line_it_does_not_accept(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    fake = FakeVllm(monkeypatch, version="0.34.0")
+    fake = FakeVllm(monkeypatch, version=NEWER)
     monkeypatch.setenv(_env.VLLM, value)
     with pytest.raises(kv_vllm.VLLMLayoutError, match=ACCEPTED):
         kv_vllm.plugin()
@@ -694,7 +706,7 @@ ENVIRONMENTS = [
 ]
 
 
-@pytest.mark.parametrize("version", ["0.23.0", "0.22.1"])
+@pytest.mark.parametrize("version", [LINES[0].release, OLDER])
 @pytest.mark.parametrize("environment", ENVIRONMENTS, ids=str)
 @pytest.mark.parametrize("foreign", [False, True], ids=["own", "foreign"])
 def test_the_plan_is_what_the_plugin_does(
@@ -703,7 +715,7 @@ def test_the_plan_is_what_the_plugin_does(
     """``python -m kvqueue`` prints kvqueue._vllm_plugin.plan(): the plugin carries it out."""
     from kvqueue import _vllm_plugin
 
-    line = LINES[0] if version == "0.22.1" else _vllm_lines_find(version)
+    line = LINES[0] if version == OLDER else _vllm_lines_find(version)
     fake = FakeVllm(monkeypatch, version=version, line=line)
     if foreign:
         patch = _module("theirs")

@@ -16,7 +16,8 @@ matters).
 
 ``python lines.py LINE`` prints the ``PYTHONPATH`` entry for LINE (``0.31``, ``0.31.0``; empty
 for the venv's own line), ``--list`` the accepted releases, ``--ci`` the ones CI runs (one
-line per row of lines alike, ``rows()``, the newest line included).
+line per row of lines alike, ``rows()``, the oldest and the newest line included), ``--demo``
+the ones CI runs the demo on (the oldest and the newest). All of them from the lines' table.
 """
 
 from __future__ import annotations
@@ -52,19 +53,27 @@ def line(spec: str) -> Line:
 
 def rows() -> list[list[Line]]:
     """The lines grouped by what the guard and the tests see alike: the block's fields, the
-    guarded pool methods, how ``free_blocks`` counts, null skipping and the torch pinned.
-    (The queue's methods are left out: ``iter_blocks_after``, new in 0.26, is a query.)"""
+    guarded pool methods, how ``free_blocks`` counts, null skipping, how a block names its
+    pool and the torch pinned. (The queue's methods are left out: ``iter_blocks_after``, new
+    in 0.26, is a query.)"""
     groups: dict[tuple[object, ...], list[Line]] = {}
     for each in LINES:
         key = (each.block_fields, tuple(each.pool_methods.items()), each.counts_first,
-               each.skips_null, each.torch)  # fmt: skip
+               each.skips_null, each.weak_pool, each.torch)  # fmt: skip
         groups.setdefault(key, []).append(each)
     return list(groups.values())
 
 
 def ci_lines() -> list[Line]:
-    """The newest line of each row: it has every method of its row, and the most tests."""
-    return [group[-1] for group in rows()]
+    """The newest line of each row (it has every method of its row, and the most tests),
+    and the oldest line accepted, in the table's order."""
+    chosen = {id(group[-1]) for group in rows()} | {id(LINES[0])}
+    return [each for each in LINES if id(each) in chosen]
+
+
+def demo_lines() -> list[Line]:
+    """The lines CI runs the live demo on: the oldest and the newest accepted."""
+    return [LINES[0], NEWEST] if len(LINES) > 1 else [NEWEST]
 
 
 def venv_release() -> str:
@@ -174,9 +183,11 @@ def main() -> int:
     group.add_argument("line", nargs="?", help="0.31 or 0.31.0: print its PYTHONPATH entry")
     group.add_argument("--list", action="store_true", help="every accepted release")
     group.add_argument("--ci", action="store_true", help="the releases CI runs")
+    group.add_argument("--demo", action="store_true", help="the releases CI demos")
     args = parser.parse_args()
-    if args.list or args.ci:
-        print(" ".join(each.release for each in (ci_lines() if args.ci else LINES)))
+    if args.list or args.ci or args.demo:
+        chosen = ci_lines() if args.ci else demo_lines() if args.demo else LINES
+        print(" ".join(each.release for each in chosen))
         return 0
     path = overlay(line(args.line))
     print(path or "")

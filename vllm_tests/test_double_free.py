@@ -22,6 +22,7 @@ prepend an unhashed block; ``unpin_blocks`` and blocks naming their pool come wi
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -424,6 +425,55 @@ def test_another_pools_block_is_routed_and_checked_there(kind, monkeypatch):
     assert block.block_id in linked_ids(theirs)
 
 
+needs_weak = pytest.mark.skipif(
+    not LINE.weak_pool, reason=f"vLLM {LINE.name}'s blocks hold their pool, not a weakref"
+)
+
+
+@needs_weak
+@pytest.mark.parametrize("kind", ["vllm", *KVQUEUE])
+def test_a_block_whose_pool_is_gone_is_skipped(kind, monkeypatch):
+    """0.34's free_blocks skips a block whose (weakly named) pool is gone, however often it
+    is given: the guard leaves it so, under raise too."""
+    mine = new_pool(kind, None if kind == "vllm" else "raise", monkeypatch)
+    gone = new_pool(kind, None if kind == "vllm" else "raise", monkeypatch)
+    (orphan,) = gone.get_new_blocks(1)
+    del gone
+    gc.collect()
+    assert orphan.pool is not None
+    assert orphan.pool() is None
+    (block,) = mine.get_new_blocks(1)
+    mine.free_blocks([orphan, block, orphan])
+    assert (orphan.ref_cnt, block.ref_cnt) == (1, 0)
+    assert_pool_whole(mine)
+
+
+@needs_weak
+@pytest.mark.parametrize("kind", KVQUEUE)
+@pytest.mark.parametrize("how", ["position", "keyword"])
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_evict_first_with_a_double_free(kind, how, policy, monkeypatch, caplog):
+    """free_blocks(blocks, evict_first=True) (0.34): a block given twice is refused or
+    repaired alike, and vLLM still queues the cached block at the front, as asked."""
+    pool = new_pool(kind, policy, monkeypatch)
+    cached, plain = pool.get_new_blocks(2)
+    block_hash = kv_cache_utils.BlockHash(b"h")
+    cache(pool, cached, kv_cache_utils.make_block_hash_with_group_id(block_hash, 0))
+    args, kwargs = ((True,), {}) if how == "position" else ((), {"evict_first": True})
+    if policy == "raise":
+        with pytest.raises(ValueError, match=rf"block {cached.block_id} 2 time"):
+            pool.free_blocks([cached, plain, cached], *args, **kwargs)
+        assert (cached.ref_cnt, plain.ref_cnt) == (1, 1)
+        pool.free_blocks([cached, plain], *args, **kwargs)
+    else:
+        with caplog.at_level(logging.WARNING, logger="kvqueue"):
+            pool.free_blocks([cached, plain, cached], *args, **kwargs)
+        assert kvqueue_vllm.pool_repairs(pool)["double_free"] == 1
+    assert (cached.ref_cnt, plain.ref_cnt) == (0, 0)
+    assert sorted(linked_ids(pool)[:2]) == sorted([cached.block_id, plain.block_id])
+    assert_pool_whole(pool)
+
+
 # -- kvqueue, on_misuse="repair": the engine keeps going, the pool stays true -----------------
 
 
@@ -444,7 +494,7 @@ def cache(pool: Any, block: Any, block_hash: Any) -> None:
     from 0.24, which keeps the number of tokens hashed too; the ``block_hash`` setter in
     0.23), and the pool's map from hashes to blocks, whence reuse evicts it (0.23 resets the
     hash of a block only when it finds it there)."""
-    if "_block_hash_num_tokens" in LINE.block_fields:
+    if any(name.endswith("block_hash_num_tokens") for name in LINE.block_fields):
         block.set_block_hash(block_hash)
     else:
         block.block_hash = block_hash

@@ -1,13 +1,13 @@
 """``python -m kvqueue``: what kvqueue does in this environment, and why (for bug reports).
 
 Prints the version, the twin ``import kvqueue`` loads and why, every environment variable
-kvqueue reads, and what vLLM's plugin loader will make of them: the plan that kvqueue's
-plugin itself carries out (``kvqueue._vllm_plugin.plan``). When the plugin is on, vLLM's other
-general plugins are run first as vLLM runs them (those vLLM loads before kvqueue's before the
-plan, the others after it), so that the plan sees what they patch. Exits 1 when the
-environment asks for what cannot happen (a bad value, a vLLM kvqueue refuses under a strict
-KVQUEUE_VLLM, a plugin vLLM will not call, a guard a later plugin would bypass); --json prints
-the same as one object.
+kvqueue reads, the installed vLLM's version and what the table of accepted lines says of it,
+and what vLLM's plugin loader will make of them: the plan that kvqueue's plugin itself carries
+out (``kvqueue._vllm_plugin.plan``). When the plugin is on, vLLM's other general plugins are run
+first as vLLM runs them (those vLLM loads before kvqueue's before the plan, the others after
+it), so that the plan sees what they patch. Exits 1 when the environment asks for what cannot
+happen (a bad value, a vLLM kvqueue refuses under a strict KVQUEUE_VLLM, a plugin vLLM will not
+call, a guard a later plugin would bypass); --json prints the same as one object.
 """
 
 from __future__ import annotations
@@ -146,8 +146,15 @@ def _vllm() -> dict[str, Any]:
         return {"installed": False}
     points = [p for p in metadata.entry_points(group="vllm.general_plugins") if p.name == "kvqueue"]
     allowed = os.environ.get("VLLM_PLUGINS")
+    # Its distribution's version: importing vLLM to ask it would take seconds.
+    try:
+        version: str | None = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        version = None
     return {
         "installed": True,
+        "version": version,
+        "verdict": _vllm_lines.verdict(version),
         "VLLM_PLUGINS": allowed,
         "plugin_registered": bool(points),
         "plugin_loaded_by_vllm": bool(points)
@@ -186,6 +193,7 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
     if not vllm["installed"]:
         print("vLLM: not installed")
     else:
+        print(f"vLLM {vllm['version'] or '(no distribution metadata)'}: {vllm['verdict']}")
         allowed = vllm["VLLM_PLUGINS"]
         print(
             f"vLLM: plugin entry point {'registered' if vllm['plugin_registered'] else 'missing'}"

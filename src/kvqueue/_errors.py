@@ -62,9 +62,11 @@ _qualname = type.__dict__["__qualname__"].__get__
 _namespace = type.__dict__["__dict__"].__get__
 _BOUND = slice(0, 80)
 # Where vLLM defines its block class; the fields its __repr__ shows (every line has the
-# same __repr__ but 0.23, whose blocks lack _block_hash_num_tokens and so its field).
+# same __repr__ but 0.23, whose blocks lack _block_hash_num_tokens and so its field, and
+# 0.34+, whose hash fields are public slots: block_hash, block_hash_num_tokens).
 _VLLM_BLOCK_MODULE = "vllm.v1.core.kv_cache_utils"
 _REPR_FIELDS = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens")
+_REPR_FIELDS_034 = ("block_id", "ref_cnt", "block_hash", "block_hash_num_tokens")
 _REPR_LINKS = ("prev_free_block", "next_free_block")
 # A hash longer than any vLLM makes is not printed whole.
 _HASH_BOUND = 1024
@@ -236,11 +238,13 @@ def vllm_repr(obj: object) -> str | None:
     ):
         return None
     parts = []
-    for name in _REPR_FIELDS:
+    public = type(lookup(cls, "block_hash")) is MemberDescriptorType
+    names = _REPR_FIELDS_034 if public else _REPR_FIELDS
+    for name in names:
         slot = lookup(cls, name)
-        if slot is _block.MISSING and name == "_block_hash_num_tokens":
+        if slot is _block.MISSING and name == names[3]:
             continue
-        shown = _shown(_slot_value(obj, cls, slot), name == "_block_hash")
+        shown = _shown(_slot_value(obj, cls, slot), name == names[2])
         if shown is None:
             return None
         parts.append(f"{name}={shown}")

@@ -22,10 +22,13 @@ the queue's logger under the queue's rate limit. A ``ref_cnt`` that is not an in
 is a TypeError under either policy, before anything changes. Only a pool's own blocks
 are counted here: null blocks, another pool's blocks (``free_blocks`` routes them to
 their pool, whose guard repairs them; under that pool's ``"raise"`` they are screened
-up front) and blocks of no pool keep vLLM's handling.
+up front), blocks whose pool is gone (0.34+ skips them) and blocks of no pool keep
+vLLM's handling.
 
 Each guard follows its vLLM line (``kvqueue._vllm_lines.Line``): the parameters of the
-method it wraps, whether blocks name their pool (0.30+), and whether ``free_blocks``
+method it wraps (0.34's ``free_blocks`` takes ``evict_first`` too, passed on as given),
+whether blocks name their pool (0.30+) and how (0.34+: by a weak reference, the pool's
+``_weak_self``), and whether ``free_blocks``
 decrements every occurrence before it queues any (0.23, which would queue a block listed
 twice twice: the guard passes it once, its other references released here).
 
@@ -258,6 +261,7 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     first_excess = made.screen.first_excess
     freed = _report.freed
     own = line.has_pool_field
+    weak = line.weak_pool
     parameter = _parameter(line, made.name)
 
     def guarded(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
@@ -271,7 +275,8 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         # so what was screened is what is freed.
         blocks = list(blocks)
         freed(blocks)
-        found = first_excess(blocks, self if own else None)
+        # What the pool's own blocks hold as their pool (line.pool_ref, inlined: every call).
+        found = first_excess(blocks, self._weak_self if weak else self if own else None)
         if found == -1:
             return original(self, blocks, *args, **kwargs)
         return _free(made, line, self, blocks, args, kwargs)
@@ -283,6 +288,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_negative = made.screen.first_negative
     own = line.has_pool_field
+    weak = line.weak_pool
     parameter = _parameter(line, made.name)
 
     def touch(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
@@ -293,7 +299,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         elif kwargs and parameter in kwargs:
             return original(self, blocks, *args, **kwargs)
         blocks = list(blocks)
-        i = first_negative(blocks, self if own else None)
+        i = first_negative(blocks, self._weak_self if weak else self if own else None)
         if i < 0:
             return original(self, blocks, *args, **kwargs)
         return _touch(made, line, self, blocks, i, args, kwargs)
@@ -359,7 +365,7 @@ class _Plan:
 
     __slots__ = ("dropped", "given", "in_list", "kept", "linked", "others", "refs", "strays")
 
-    def __init__(self, pool: Any, blocks: list[Any], own: bool, method: str) -> None:
+    def __init__(self, pool: Any, blocks: list[Any], line: Any, method: str) -> None:
         self.kept: list[Any] = []
         self.dropped: list[Any] = []
         # Held blocks found linked in the free list (a reference taken without touch()).
@@ -373,12 +379,23 @@ class _Plan:
         self.refs: dict[int, int] = {}
         self.in_list: set[int] = set()
         left: dict[int, int] = {}
+        own = line.has_pool_field
+        ref = line.pool_ref(pool)
         # The fields in the screens' order, so that a block's code runs as it did there.
         for block in blocks:
             if own:
                 owner = block.pool
-                if owner is not pool:
-                    if owner is not None and method == "free_blocks":
+                if owner is not ref:
+                    routed = method == "free_blocks"
+                    if owner is not None and line.weak_pool:
+                        # vLLM 0.34+ hands the block to the pool it refers to, and skips
+                        # it if that pool is gone. Only an exact weakref is called here, as
+                        # in the screens: no code of the block's runs.
+                        owner = owner() if type(owner) is weakref.ref else None
+                        if owner is None and routed:
+                            self.kept.append(block)
+                            continue
+                    if owner is not None and routed:
                         self.others.setdefault(id(owner), (owner, []))[1].append(block)
                     else:
                         self.strays.append(block)
@@ -445,7 +462,7 @@ def _free(
     if made.retired or not _binds(made, pool, blocks, args, kwargs):
         return original(pool, blocks, *args, **kwargs)
     method = made.name
-    plan = _Plan(pool, blocks, line.has_pool_field, method)
+    plan = _Plan(pool, blocks, line, method)
     if (plan.dropped or plan.linked or plan.strays) and made.policy_of(pool) == "raise":
         if plan.dropped or plan.linked:
             _raise_double_free(pool, method, plan)
@@ -454,7 +471,7 @@ def _free(
     # here: vLLM frees this pool's blocks first, then hands those over.
     if method == "free_blocks":
         for owner, group in plan.others.values():
-            _screen_other(owner, group)
+            _screen_other(owner, group, line)
     notes: list[_Note] = []
     queue = pool.free_block_queue
     for block in plan.linked:
@@ -495,6 +512,8 @@ def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
         if not 1 <= refs <= given:
             continue
         owner = block.pool
+        if type(owner) is weakref.ref:  # vLLM 0.34+: the pool it refers to, if alive
+            owner = owner()
         whose = "no pool" if owner is None else f"another pool (BlockPool at {id(owner):#x})"
         raise ValueError(
             f"{_call(method)} was given block {_named(block)}, a block of {whose}, which it "
@@ -504,13 +523,13 @@ def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
         )
 
 
-def _screen_other(owner: Any, group: list[Any]) -> None:
+def _screen_other(owner: Any, group: list[Any], line: Any) -> None:
     """Raise now what ``owner``'s guard would raise when vLLM hands it ``group``."""
     made = _ours(_block.lookup(type(owner), "free_blocks"))
     if made is None or made.retired or made.policy_of(owner) != "raise":
         return
-    if made.screen.first_excess(group, owner) >= 0:
-        plan = _Plan(owner, group, True, "free_blocks")
+    if made.screen.first_excess(group, line.pool_ref(owner)) >= 0:
+        plan = _Plan(owner, group, line, "free_blocks")
         if plan.dropped or plan.linked:
             _raise_double_free(owner, "free_blocks", plan)
 
@@ -548,11 +567,12 @@ def _touch(
     if made.retired or not _binds(made, pool, blocks, args, kwargs):
         return original(pool, blocks, *args, **kwargs)
     own = line.has_pool_field
+    ref = line.pool_ref(pool)
     # The fields in the screen's order; _count last, as the screen's ref_cnt read.
     negative = [
         block
         for block in blocks[first:]
-        if (block.pool is pool if own else _in_pool(pool, block))
+        if (block.pool is ref if own else _in_pool(pool, block))
         and not block.is_null
         and _count(pool, "touch", block) < 0
     ]

@@ -25,6 +25,8 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport uintptr_t
 from libc.string cimport memset
 
+from weakref import ReferenceType
+
 __all__ = (
     "HOLDER_FAULTS",
     "NO_POOL",
@@ -116,6 +118,12 @@ cdef inline bint _is_null(object block, _Layout *lay) except -1:
     return bool(value)
 
 
+cdef inline bint _gone(object owner) except -1:
+    """Whether ``owner`` is a weak reference whose pool is gone; calls no code of its own
+    (only an exact ``weakref.ref`` is called)."""
+    return type(owner) is ReferenceType and owner() is None
+
+
 def first_excess(list blocks, object pool):
     """The index of the first occurrence in ``blocks`` of a block of ``pool`` that would
     take its ``ref_cnt`` below 0 if each occurrence released one reference, that releases
@@ -123,10 +131,12 @@ def first_excess(list blocks, object pool):
     (:data:`OTHER_POOLS`, :data:`REPEATS`, :data:`NO_POOL`); O(len(blocks)).
 
     Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
-    another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
-    blocks of no pool (made outside any pool, as some of vLLM's tests do) keep vLLM's
-    handling. ``pool`` None: the blocks have no ``pool`` field (vLLM before 0.30), and
-    every block is the caller's.
+    another pool's blocks (vLLM hands those to their pool, whose guard screens them), blocks
+    whose pool is gone (a dead weak reference: vLLM 0.34+ skips them, and they raise no
+    flag) and blocks of no pool (made outside any pool, as some of vLLM's tests do) keep
+    vLLM's handling. ``pool`` is what the caller's own blocks hold in their ``pool`` field
+    (the pool, or from vLLM 0.34 its ``_weak_self``); None: the blocks have no ``pool``
+    field (vLLM before 0.30), and every block is the caller's.
     """
     cdef Py_ssize_t cap = 8, mask, i, slot, refs, found = -1
     cdef Py_ssize_t n = len(blocks)
@@ -151,7 +161,7 @@ def first_excess(list blocks, object pool):
             if pool is not None:
                 owner = _field(block, &lay, _POOL, "pool")
                 if owner is not pool:
-                    flags |= _OTHER_POOLS if owner is not None else _NO_POOL
+                    flags |= _NO_POOL if owner is None or _gone(owner) else _OTHER_POOLS
                     i += 1
                     continue
             if _is_null(block, &lay):

@@ -4,7 +4,7 @@ Each screen reads blocks and changes nothing: it runs on every guarded call of
 vLLM's ``BlockPool`` (kvqueue/_pool_guard.py), before vLLM's own method, and
 answers where the first misuse is, or that there is none. A block is whatever
 vLLM's pool holds: any object with ``ref_cnt``, ``is_null`` and (vLLM 0.30+)
-``pool``.
+``pool``, the pool or (0.34+) a weak reference to it.
 
 Both twins read the same fields of the same blocks in the same order, so that
 code a block runs (a property, a ``__bool__``) runs alike in both; a list that
@@ -16,6 +16,7 @@ by its int value) is a misuse at that block: the guard says what it is.
 from __future__ import annotations
 
 from typing import Any
+from weakref import ReferenceType
 
 from ._block import is_subtype
 
@@ -52,10 +53,12 @@ def first_excess(blocks: list[Any], pool: object) -> int:
     (:data:`OTHER_POOLS`, :data:`REPEATS`, :data:`NO_POOL`); O(len(blocks)).
 
     Only ``pool``'s own blocks are screened: null blocks (vLLM keeps no count for them),
-    another pool's blocks (vLLM hands those to their pool, whose guard screens them) and
-    blocks of no pool (made outside any pool, as some of vLLM's tests do) keep vLLM's
-    handling. ``pool`` None: the blocks have no ``pool`` field (vLLM before 0.30), and
-    every block is the caller's.
+    another pool's blocks (vLLM hands those to their pool, whose guard screens them), blocks
+    whose pool is gone (a dead weak reference: vLLM 0.34+ skips them, and they raise no
+    flag) and blocks of no pool (made outside any pool, as some of vLLM's tests do) keep
+    vLLM's handling. ``pool`` is what the caller's own blocks hold in their ``pool`` field
+    (the pool, or from vLLM 0.34 its ``_weak_self``); None: the blocks have no ``pool``
+    field (vLLM before 0.30), and every block is the caller's.
     """
     # Block ids are not unique across pools and vLLM's dataclass blocks are not
     # hashable: a block's remaining references are keyed by identity.
@@ -67,7 +70,7 @@ def first_excess(blocks: list[Any], pool: object) -> int:
         if pool is not None:
             owner = block.pool
             if owner is not pool:
-                flags |= OTHER_POOLS if owner is not None else NO_POOL
+                flags |= NO_POOL if owner is None or _gone(owner) else OTHER_POOLS
                 continue
         if block.is_null:
             continue
@@ -122,6 +125,12 @@ def first_held_free(head: Any, n: int) -> Any:
         if refs is not _ZERO and _count(refs) != 0:
             return block
     return None
+
+
+def _gone(owner: object) -> bool:
+    """Whether ``owner`` is a weak reference whose pool is gone; calls no code of its own
+    (only an exact ``weakref.ref`` is called)."""
+    return type(owner) is ReferenceType and owner() is None
 
 
 def _count(value: object) -> int | None:

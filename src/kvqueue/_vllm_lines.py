@@ -12,7 +12,17 @@ import dataclasses
 import inspect
 from typing import Any
 
-__all__ = ("LINES", "Line", "VLLMLayoutError", "accepted", "find", "line_of", "mismatch", "parse")
+__all__ = (
+    "LINES",
+    "Line",
+    "VLLMLayoutError",
+    "accepted",
+    "find",
+    "line_of",
+    "mismatch",
+    "parse",
+    "verdict",
+)
 
 _FIELDS_023 = (
     "block_id",
@@ -24,6 +34,8 @@ _FIELDS_023 = (
 )
 _FIELDS_024 = (*_FIELDS_023[:3], "_block_hash_num_tokens", *_FIELDS_023[3:])
 _FIELDS_030 = (*_FIELDS_024[:2], "pool", *_FIELDS_024[2:])
+# 0.34: the hash fields are public (their read-only properties gone).
+_FIELDS_034 = tuple(name.lstrip("_") for name in _FIELDS_030)
 
 _QUEUE_023 = frozenset(
     ("popleft", "popleft_n", "remove", "append", "prepend_n", "append_n", "get_all_free_blocks")
@@ -38,6 +50,7 @@ _POOL_023 = {
 }
 _POOL_024 = {**_POOL_023, "free_blocks": ("ordered_blocks",)}
 _POOL_030 = {**_POOL_024, "unpin_blocks": ("blocks", "on_reuse")}
+_POOL_034 = {**_POOL_030, "free_blocks": ("ordered_blocks", "evict_first")}
 
 
 def parse(version: str) -> tuple[int, int] | None:
@@ -70,6 +83,10 @@ class Line:
     counts_first: bool
     #: ``free_blocks`` and ``touch`` skip null blocks before touching ``ref_cnt`` (0.33+).
     skips_null: bool
+    #: A block's ``pool`` is a weak reference, its pool's ``_weak_self`` (0.34+):
+    #: ``free_blocks`` hands a block of another live pool to it, and skips one whose
+    #: pool is gone.
+    weak_pool: bool
     #: The torch release the line's wheel pins (the CPU build used here may differ).
     torch: str
 
@@ -87,6 +104,14 @@ class Line:
         """Blocks name their pool (0.30+); before, every block a pool frees is its own."""
         return "pool" in self.block_fields
 
+    def pool_ref(self, pool: Any) -> Any:
+        """What ``pool``'s own blocks hold in their ``pool`` field, the value vLLM's
+        ``free_blocks`` compares with: the pool's ``_weak_self`` (0.34+), the pool itself
+        (0.30-0.33), or None where blocks name no pool (before 0.30)."""
+        if not self.has_pool_field:
+            return None
+        return pool._weak_self if self.weak_pool else pool
+
 
 def _line(
     release: str,
@@ -97,7 +122,9 @@ def _line(
 ) -> Line:
     minor = parse(release)
     assert minor is not None
-    return Line(release, fields, queue, pool, minor <= (0, 23), minor >= (0, 33), torch)
+    return Line(
+        release, fields, queue, pool, minor <= (0, 23), minor >= (0, 33), minor >= (0, 34), torch
+    )
 
 
 LINES: tuple[Line, ...] = (
@@ -112,6 +139,7 @@ LINES: tuple[Line, ...] = (
     _line("0.31.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
     _line("0.32.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
     _line("0.33.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.14"),
+    _line("0.34.0", _FIELDS_034, _QUEUE_026, _POOL_034, "2.14"),
 )
 
 
@@ -122,6 +150,31 @@ class VLLMLayoutError(RuntimeError):
 def accepted() -> str:
     """The accepted lines for a message: ``0.23, 0.24, ..., 0.33``."""
     return ", ".join(line.name for line in LINES)
+
+
+def verdict(version: str | None) -> str:
+    """What the table says of vLLM ``version``, in words (before any layout check)."""
+    line = find(version) if version is not None else None
+    if line is not None:
+        return f"accepted: line {line.name}, proven at {line.release}"
+    minor = parse(version) if version is not None else None
+    if minor is None:
+        return "not accepted: no version kvqueue can read"
+    if minor > LINES[-1].minor:
+        return f"not accepted yet: {_newer(version or '')}"
+    return f"not accepted: kvqueue accepts {LINES[0].name} to {LINES[-1].name}"
+
+
+def _newer(version: str) -> str:
+    """What to do about a vLLM newer than every accepted line."""
+    newest = LINES[-1]
+    minor = "{}.{}".format(*(parse(version) or newest.minor))
+    return (
+        f"vLLM {version} is newer than the newest line kvqueue accepts ({newest.name}, "
+        f"proven at {newest.release}); a kvqueue that accepts it lists {minor} among the "
+        "accepted lines of `python -m kvqueue`, and in a kvqueue checkout "
+        f"`make vllm-line-check VLLM={version}` checks it"
+    )
 
 
 def find(version: str) -> Line | None:
@@ -192,10 +245,12 @@ def line_of(
             )
     elif check_version:
         seen = "an unknown version" if version is None else f"vLLM {version}"
+        minor = parse(version) if version is not None else None
+        newer = f": {_newer(version)}" if version and minor and minor > LINES[-1].minor else ""
         raise VLLMLayoutError(
             f"kvqueue accepts the vLLM lines whose own suites pass with it ({accepted()}), "
-            f"not {seen}; install(check_version=False) tries the line whose layout this "
-            "vLLM has"
+            f"not {seen}{newer}; install(check_version=False) tries the line whose layout "
+            "this vLLM has"
         )
     for candidate in reversed(LINES):
         if mismatch(candidate, block_class, queue_class, pool_class) is None:

@@ -9,10 +9,10 @@ call builds kvqueue's queue (``isinstance`` against the name still holds), and g
 before keep the queue they have.
 
 Before it changes anything, :func:`install` checks the installed vLLM against the table of
-accepted lines (``kvqueue._vllm_lines``: 0.23 to 0.33, each proven by its own release's
-suites): its version, its ``KVCacheBlock`` fields, its queue's methods and its pool's guarded
-methods. Anything else raises :class:`VLLMLayoutError` and leaves vLLM untouched. Importing
-this module does not import vLLM.
+accepted lines (``kvqueue._vllm_lines``, each proven by its own release's suites): its
+version, its ``KVCacheBlock`` fields, its queue's methods and its pool's guarded methods.
+Anything else raises :class:`VLLMLayoutError` and leaves vLLM untouched. Importing this
+module does not import vLLM.
 
 vLLM's plugin entry point (group ``vllm.general_plugins``) is :func:`plugin`
 (``kvqueue._vllm_plugin``): it installs when ``KVQUEUE_VLLM`` asks. It patches the calling

@@ -55,10 +55,10 @@ def borrowed_slot_descriptor(name: str) -> None:
     screen = screen_of(mod)
     with guarded(mod, NEWEST) as cls:
         pool = make_pool(cls, mod, 4, "raise")
-        block.pool = pool
+        block.pool = NEWEST.pool_ref(pool)
         calls = (
-            lambda: screen.first_excess([block], pool),
-            lambda: screen.first_negative([block], pool),
+            lambda: screen.first_excess([block], block.pool),
+            lambda: screen.first_negative([block], block.pool),
             lambda: pool.free_blocks([block]),
             lambda: pool.touch([block]),
         )
@@ -76,7 +76,7 @@ def _held_and_unremovable(name: str, corrupt: str) -> None:
         held = pool.free_block_queue.get_all_free_blocks()[1]
         held.ref_cnt = 1  # a reference taken without touch()
         if corrupt == "pool":
-            held.pool = other
+            held.pool = NEWEST.pool_ref(other)
         else:
             held.prev_free_block = None
         before = pool.free_block_queue.num_free_blocks

@@ -41,6 +41,8 @@ _FIELDS: dict[str, tuple[Any, Callable[[], Any] | None]] = {
     "pool": (Any, lambda: field(default=None, repr=False, compare=False, kw_only=True)),
     "_block_hash": (Any, lambda: None),
     "_block_hash_num_tokens": (int | None, lambda: None),
+    "block_hash": (Any, lambda: None),
+    "block_hash_num_tokens": (int | None, lambda: None),
     "prev_free_block": (Any, lambda: None),
     "next_free_block": (Any, lambda: None),
     "is_null": (bool, lambda: False),

@@ -10,6 +10,7 @@ so that a test can guard it and throw it away.
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -31,9 +32,13 @@ def line(name: str) -> Line:
 # table has them (0.24-0.29 add ``_block_hash_num_tokens``).
 Block023 = layout("Block023", line("0.23").block_fields)
 Block024 = layout("Block024", line("0.24").block_fields)
+# 0.34+: public hash fields, and ``pool`` a weak reference (the pool's ``_weak_self``).
+BlockWeak = layout("BlockWeak", next(each for each in LINES if each.weak_pool).block_fields)
 
 
 def block_class(of: Line) -> type:
+    if of.weak_pool:
+        return BlockWeak
     if of.has_pool_field:
         return VllmStyleBlock
     return Block024 if "_block_hash_num_tokens" in of.block_fields else Block023
@@ -46,8 +51,10 @@ class _Pool:
 
     def __init__(self, num_gpu_blocks: int, queue_class: type, of: Line) -> None:
         make = self.block or block_class(of)
+        if of.weak_pool:
+            self._weak_self = weakref.ref(self)
         if of.has_pool_field:
-            self.blocks = [make(i, pool=self) for i in range(num_gpu_blocks)]
+            self.blocks = [make(i, pool=of.pool_ref(self)) for i in range(num_gpu_blocks)]
         else:
             self.blocks = [make(i) for i in range(num_gpu_blocks)]
         self.num_gpu_blocks = num_gpu_blocks
@@ -116,6 +123,29 @@ def _free(of: Line) -> Callable[..., None]:
     return free_blocks
 
 
+def _free_weak(self: Any, ordered_blocks: Any, evict_first: bool = False) -> None:
+    # 0.34+: another live pool's blocks handed to it, a gone pool's skipped; evict_first
+    # queues cached blocks at the front too.
+    first: list[Any] = []
+    last: list[Any] = []
+    elsewhere: dict[Any, list[Any]] = {}
+    for block in ordered_blocks:
+        if block.is_null:
+            continue
+        if block.pool is not None and block.pool is not self._weak_self:
+            pool = block.pool()
+            if pool is not None:
+                elsewhere.setdefault(pool, []).append(block)
+            continue
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            (first if block.block_hash is None or evict_first else last).append(block)
+    self.free_block_queue.prepend_n(first)
+    self.free_block_queue.append_n(last)
+    for pool, blocks in elsewhere.items():
+        pool.free_blocks(blocks, evict_first=evict_first)
+
+
 def _unpin_blocks(self: Any, blocks: Any, on_reuse: Callable[[Any], None]) -> None:
     released = []
     for block in blocks:
@@ -136,7 +166,11 @@ def pool_class(
     methods: dict[str, Any] = {
         "get_new_blocks": _get_new_blocks,
         "touch": _touch(of.skips_null),
-        "free_blocks": _free_counting_first if of.counts_first else _free(of),
+        "free_blocks": _free_counting_first
+        if of.counts_first
+        else _free_weak
+        if of.weak_pool
+        else _free(of),
     }
     if "unpin_blocks" in of.pool_methods:
         methods["unpin_blocks"] = _unpin_blocks

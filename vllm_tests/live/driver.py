@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import no_triton
+
 from live import INJECT, INJECT_COUNT, JOURNAL, model
+
+# vLLM 0.34+ refuses an x86 CPU without triton-cpu; the stub model runs no kernel. At import:
+# an engine core that vLLM spawns imports this module again (as __mp_main__) before it checks
+# its config.
+no_triton.allow()
 
 HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 16

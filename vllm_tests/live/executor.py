@@ -14,6 +14,7 @@ requests hold at once gives one of them another request's tokens, and a wrong co
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from live import model
+
+_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
 #: What ``determine_available_memory`` reports: far more than the pool's override needs.
 AVAILABLE_BYTES = 1 << 34
@@ -142,10 +145,12 @@ class StubWorker:
                 sampled.append([token])
             else:  # a chunk of a longer prompt: nothing is sampled yet
                 sampled.append([])
+        # vLLM 0.34 dropped req_id_to_index (the index is the position in req_ids).
+        index = {"req_id_to_index": {request_id: i for i, request_id in enumerate(request_ids)}}
         return ModelRunnerOutput(
             req_ids=request_ids,
-            req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
             sampled_token_ids=sampled,
+            **(index if _HAS_INDEX else {}),
         )
 
     def _update(self, scheduler_output: Any) -> dict[str, int]:
@@ -155,13 +160,18 @@ class StubWorker:
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             (block_ids,) = new.block_ids  # one KV cache group
-            self.requests[new.req_id] = Request(list(new.prompt_token_ids), list(block_ids))
+            known = self.requests.get(new.req_id)
+            if known is not None:  # 0.34+: back from preemption, sent again as new
+                known.block_ids = list(block_ids)
+            else:
+                self.requests[new.req_id] = Request(list(new.prompt_token_ids), list(block_ids))
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             request = self.requests[request_id]
             new_ids = cached.new_block_ids[i]
-            if request_id in cached.resumed_req_ids:  # back from preemption: a new table
+            # Back from preemption (before 0.34): a new table.
+            if request_id in getattr(cached, "resumed_req_ids", ()):
                 (block_ids,) = new_ids
                 request.block_ids = list(block_ids)
             elif new_ids is not None:
