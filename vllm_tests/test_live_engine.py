@@ -397,7 +397,7 @@ def test_vllm_serve_answers_completions_with_kvqueue(tmp_path: Path) -> None:
         **{JOURNAL: str(journal)},
     )
     command = [
-        str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
+        sys.executable, "-m", "live.serve", "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "stub",
         *driver.serve_args(),
     ]  # fmt: skip
@@ -506,7 +506,7 @@ def _serve_and_scrape(
         **{JOURNAL: str(journal)},
     )
     command = [
-        str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
+        sys.executable, "-m", "live.serve", "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "stub",
         *driver.serve_args(), *options,
     ]  # fmt: skip
