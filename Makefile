@@ -92,7 +92,7 @@ bench-screens: $(BENCH_VENV)/.ready
 	$(WITH_VLLM_TESTS) $(BENCH_PY) bench/screens.py $(BENCH_ARGS)
 
 bench-audit: $(BENCH_VENV)/.ready
-	$(BENCH_PY) bench/audit.py $(BENCH_ARGS)
+	$(WITH_VLLM_TESTS) $(BENCH_PY) bench/audit.py $(BENCH_ARGS)
 
 # vLLM's own Scheduler on the CPU: vLLM's queue, each twin with the pool guard off and on.
 bench-scheduler:
