@@ -22,7 +22,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -181,6 +181,8 @@ class Driver:
         self._request_class = Request
         self._sampling = SamplingParams
         self._output_class = ModelRunnerOutput
+        # vLLM 0.34 dropped req_id_to_index (a request's index is its place in req_ids).
+        self._has_index = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
         self.setup = setup
         w, config = setup.workload, setup.vllm_config
         groups = [KVCacheGroupSpec(["layer"], setup.kv_spec)]
@@ -219,8 +221,9 @@ class Driver:
             [] if requests[i].is_prefill_chunk else [outputs[i][requests[i].num_output_tokens]]
             for i in req_ids
         ]
+        index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
         return self._output_class(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            req_ids=req_ids, **(index if self._has_index else {}),
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
             pooler_output=[])  # fmt: skip
 
