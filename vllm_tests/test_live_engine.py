@@ -443,7 +443,7 @@ def test_kvqueue_speaks_in_the_engine_cores_own_log(runs: Runs) -> None:
     module = r"(?:kvqueue/)?\w+\.py"
     active = prefix.format("INFO", module) + (
         r"kvqueue \S+ active on vLLM \S+: vLLM's free block queue is kvqueue's cython twin, "
-        r"pool guard on \(.*\), on_misuse=repair"
+        r"pool guard on \(.*\), holder audit on, on_misuse=repair"
     )
     repaired = prefix.format("WARNING", module) + (
         r"BlockPool\.(free_blocks|get_new_blocks|touch)\(\) repaired a double free"

@@ -232,7 +232,8 @@ def test_kvqueue_lines_in_vllms_own_log() -> None:
     assert re.fullmatch(
         vllm_format.format("INFO", r"kvqueue/_vllm_plugin\.py")
         + r"kvqueue \S+ active on vLLM \d+\.\d+: vLLM's free block queue "
-        r"is kvqueue's cython twin, pool guard on \(.*free_blocks.*\), on_misuse=repair",
+        r"is kvqueue's cython twin, pool guard on \(.*free_blocks.*\), holder audit on, "
+        r"on_misuse=repair",
         lines[0],
     ), lines
     assert re.fullmatch(
