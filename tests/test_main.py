@@ -148,7 +148,8 @@ def _fake_vllm(root: Any, **replace: str) -> str:
 
 
 def _narrow(done: subprocess.CompletedProcess[str]) -> None:
-    assert max(map(len, done.stdout.splitlines())) <= 100, done.stdout
+    # The first line holds where kvqueue is installed: a path the machine chooses, not ours.
+    assert max(map(len, done.stdout.splitlines()[1:])) <= 100, done.stdout
 
 
 def test_strict_mode_refuses_a_bad_pure_value(tmp_path: Any) -> None:
