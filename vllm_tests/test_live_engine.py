@@ -615,6 +615,25 @@ def test_vllm_serve_metrics_count_exactly_the_double_frees_injected(
             assert last[sample] == value, sample
 
 
+def test_vllm_serve_metrics_count_per_engine_under_data_parallel_2(tmp_path: Path) -> None:
+    """``--data-parallel-size 2`` (vLLM's CPU path runs it here): each engine core's counters
+    and info under its own ``engine`` label, each moved by its own engine's injection."""
+    settings = {"KVQUEUE_VLLM": "1", "KVQUEUE_ON_MISUSE": "repair", INJECT: "A"}
+    _, last, events = _serve_and_scrape(tmp_path, settings, "--data-parallel-size", "2")
+    injected = [e for e in events if e["event"] == "injected"]
+    assert len({e["pid"] for e in injected}) == len(injected) == 2
+    for engine in ("0", "1"):
+        labels = f'engine="{engine}",kind="double_free",method="free_blocks",model_name="stub"'
+        assert (
+            _kvqueue(last, "kvqueue_guard_repairs_total{")[
+                f"kvqueue_guard_repairs_total{{{labels}}}"
+            ]
+            == 1.0
+        )
+        (info,) = [k for k in _kvqueue(last, "kvqueue_info{") if f'engine="{engine}"' in k]
+        assert 'state="active"' in info
+
+
 def test_vllm_serve_metrics_say_kvqueue_is_not_active_on_a_line_it_does_not_accept(
     tmp_path: Path,
 ) -> None:
