@@ -367,3 +367,13 @@ def test_a_listing_made_without_a_reference_waits_for_the_full_audit(
     step(queue_mod, manager, 4)  # the fourth step since the last full audit
     assert _report.pool_repairs(pool)["two_managers"] == 1
     consistent(pool)
+
+
+def test_recent_frees_are_the_last_batches_kept() -> None:
+    made = _report.frees_made()
+    batches = [[object()] for _ in range(5)]
+    for batch in batches:
+        _report.freed(batch)
+    assert _report.frees_made() == made + 5
+    assert _report.recent_frees(2) == [batches[4], batches[3]]
+    assert _report.recent_frees(_report._FREES + 1) is None

@@ -159,10 +159,11 @@ def frees_made() -> int:
 
 
 def recent_frees(n: int) -> list[list[Any]] | None:
-    """The blocks of the last ``n`` guarded frees, or None if fewer are kept."""
+    """The blocks of the last ``n`` guarded frees, newest first, or None if fewer are kept;
+    O(n): read from the newest end, not past the older ones."""
     if n > len(_frees):
         return None
-    return [entry[0] for entry in itertools.islice(_frees, len(_frees) - n, None)]
+    return [entry[0] for entry in itertools.islice(reversed(_frees), n)]
 
 
 def last_freed(block: object) -> str | None:

@@ -90,12 +90,10 @@ def audit_holders(
     only = None
     try:
         place = _places.get(manager)
+        if place is None:  # a manager's first audit reads everything
+            _places[manager] = [made, 0]
     except TypeError:  # a manager no weak reference can name: read everything each time
         place = None
-    else:
-        if place is None:
-            _places[manager] = [made, 0]
-            place = None
     if place is not None:
         new, place[0] = made - place[0], made
         place[1] += 1

@@ -11,7 +11,7 @@ import os
 from importlib import metadata
 from typing import Any, Literal
 
-from . import _env, _log, _metrics, _policy, _vllm_lines
+from . import _env, _log, _metrics, _policy, _rules, _vllm_lines
 
 __all__ = ("Plan", "plan", "plugin")
 
@@ -53,7 +53,7 @@ def plan() -> Plan:
     vllm_value_bad = bool(found)
     policy = _read(lambda: _policy.resolve(None), found)
     guard = _read(lambda: _env.flag(_env.POOL_GUARD, default=True), found)
-    every = _read(lambda: _env.choice(_env.AUDIT_EVERY, _env.EVERY, _env.EVERY_DEFAULT), found)
+    every = _read(_rules.audit_every, found)
     wrap = _read(lambda: _env.flag(_env.WRAP_FOREIGN), found)
     # Read by import kvqueue, which vLLM's loader lets pass a bad value to this plan.
     _read(lambda: _env.flag(_env.PURE), found)
