@@ -197,11 +197,14 @@ def kvqueue_tests(release: str, overlay: Path | None, work: Path) -> dict[str, A
     on an older line the double-free tests (the live engine is ``make demo``'s).
     Their outcome, from pytest's JUnit XML."""
     files = ["vllm_tests"] if overlay is None else [str(HERE / name) for name in LINE_TESTS]
+    # The venv's line runs the live engines too: two test files at a time (pytest-xdist, each
+    # file on one worker, so that its engine runs stay shared), on CI's two cores.
+    spread = ["-n", "2", "--dist", "loadfile"] if overlay is None else []
     xml = work / "vllm_tests.xml"
     xml.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=str(overlay or ""), VLLM_TARGET_DEVICE="cpu")
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:asyncio",
-               "-rfEs", f"--junitxml={xml}", *files]  # fmt: skip
+               "-rfEs", f"--junitxml={xml}", *spread, *files]  # fmt: skip
     start = time.monotonic()
     code = subprocess.run(command, cwd=HERE.parent, env=env).returncode
     outcome = {"exit": code, "seconds": round(time.monotonic() - start)}

@@ -27,8 +27,9 @@ python=${PYTHON311:-python3.11}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 # What vLLM's conftest files and the suites we run import beyond vLLM's own requirements
-# (a few names from vLLM's requirements/test; the rest of that list serves GPU and model tests).
-VLLM_TEST_DEPS=(pytest pytest-asyncio tblib msgpack)
+# (a few names from vLLM's requirements/test; the rest of that list serves GPU and model tests),
+# and pytest-xdist, which runs kvqueue's own live tests two files at a time (run.py).
+VLLM_TEST_DEPS=(pytest pytest-asyncio pytest-xdist tblib msgpack)
 
 log() { printf 'vllm_tests/venv.sh: %s\n' "$*" >&2; }
 

@@ -219,8 +219,9 @@ def step(pool: Any, pools: list[Any], held: dict[int, list[Any]], of: Any) -> No
             finally:
                 block.ref_cnt = saved
         elif roll < 0.8 and "unpin_blocks" in of.pool_methods and mine:
-            block = list(mine)[-1]
-            mine.remove(block)
+            # pop(), not a copy then remove(): a copy allocates, and a finalizer run by that
+            # allocation may take the same block out of ``mine`` first.
+            block = mine.pop()
             pool.unpin_blocks([block] * RNG.choice([1, 2]), on_reuse=lambda block: None)
         elif mine and pool is not strict:
             Freer(pool, mine)
