@@ -173,7 +173,7 @@ def test_the_plugin_raises_where_vllms_loader_imports_kvqueue(tmp_path: Any) -> 
     loader = (
         "import importlib\n"
         "def load_plugins_by_group(group):\n"
-        "    return importlib.import_module('kvqueue.vllm').plugin\n"
+        "    return importlib.import_module('kvqueue._vllm_plugin').plugin\n"
     )
     code = (
         "space = {'__name__': 'vllm.plugins'}\n"

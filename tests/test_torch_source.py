@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from support.helpers import TESTS
+from support.helpers import load_script
 
 
 @pytest.fixture
 def torch_source() -> ModuleType:
-    path = TESTS.parent / "vllm_tests" / "torch_source.py"
-    spec = importlib.util.spec_from_file_location("torch_source", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("vllm_tests/torch_source.py")
 
 
 @pytest.mark.parametrize(

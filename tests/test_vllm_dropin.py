@@ -14,7 +14,7 @@ import pytest
 
 import kvqueue
 import kvqueue.vllm as kv_vllm
-from kvqueue import _env
+from kvqueue import _env, _vllm_plugin
 from kvqueue._vllm_lines import LINES, Line
 
 from support.blocks import layout
@@ -545,7 +545,7 @@ def test_plugin_off_unless_asked(
         monkeypatch.delenv(_env.VLLM, raising=False)
     else:
         monkeypatch.setenv(_env.VLLM, value)
-    kv_vllm.plugin()
+    _vllm_plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
@@ -558,12 +558,12 @@ def test_plugin_installs_and_is_idempotent(
 ) -> None:
     monkeypatch.setenv(_env.VLLM, value)
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
-    kv_vllm.plugin()
+    _vllm_plugin.plugin()
     expected = implementation or kvqueue.IMPLEMENTATION
     assert kv_vllm.status()["implementation"] == expected
     assert kv_vllm.status()["on_misuse"] == "repair"
     bound = fake.pool.FreeKVCacheBlockQueue
-    kv_vllm.plugin()
+    _vllm_plugin.plugin()
     assert fake.pool.FreeKVCacheBlockQueue is bound
     assert fake.pool.BlockPool(3).free_block_queue.on_misuse == "repair"
 
@@ -575,7 +575,7 @@ def test_plugin_refuses_unknown_values(
     monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        kv_vllm.plugin()
+        _vllm_plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
@@ -584,7 +584,7 @@ def test_plugin_entry_point_is_installed() -> None:
     from importlib.metadata import entry_points
 
     points = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert points.get("kvqueue") == "kvqueue.vllm:plugin"
+    assert points.get("kvqueue") == "kvqueue._vllm_plugin:plugin"
 
 
 def test_a_module_imported_after_install_is_switched_and_restored(
@@ -611,10 +611,10 @@ def test_plugin_keeps_an_applications_policy(
     kv_vllm.install("python", on_misuse="repair")
     monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
-    kv_vllm.plugin()
+    _vllm_plugin.plugin()
     assert kv_vllm.status()["on_misuse"] == "repair"
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "raise")
-    kv_vllm.plugin()  # the environment, set, decides
+    _vllm_plugin.plugin()  # the environment, set, decides
     assert kv_vllm.status()["on_misuse"] == "raise"
 
 
@@ -625,7 +625,7 @@ def test_plugin_refuses_unknown_guard_switch(
     monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.setenv(_env.POOL_GUARD, value)
     with pytest.raises(ValueError, match="KVQUEUE_POOL_GUARD must be one of '1', '0'"):
-        kv_vllm.plugin()
+        _vllm_plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
 
 
@@ -653,7 +653,7 @@ def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
     fake = FakeVllm(monkeypatch, version=OLDER)
     monkeypatch.setenv(_env.VLLM, "auto")
     with caplog.at_level("WARNING", logger="kvqueue"):
-        kv_vllm.plugin()
+        _vllm_plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
     assert fake.pool.BlockPool.free_blocks.__module__ == POOL
@@ -671,7 +671,7 @@ def test_plugin_auto_on_a_newer_vllm_says_what_and_how_to_check(
     fake = FakeVllm(monkeypatch, version=NEWER)
     monkeypatch.setenv(_env.VLLM, "auto")
     with caplog.at_level("WARNING", logger="kvqueue"):
-        kv_vllm.plugin()
+        _vllm_plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
     [record] = caplog.records
@@ -689,7 +689,7 @@ def test_plugin_strict_stops_a_line_it_does_not_accept(
     fake = FakeVllm(monkeypatch, version=NEWER)
     monkeypatch.setenv(_env.VLLM, value)
     with pytest.raises(kv_vllm.VLLMLayoutError, match=ACCEPTED):
-        kv_vllm.plugin()
+        _vllm_plugin.plugin()
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
 
@@ -713,7 +713,6 @@ def test_the_plan_is_what_the_plugin_does(
     monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], version: str, foreign: bool
 ) -> None:
     """``python -m kvqueue`` prints kvqueue._vllm_plugin.plan(): the plugin carries it out."""
-    from kvqueue import _vllm_plugin
 
     line = LINES[0] if version == OLDER else _vllm_lines_find(version)
     fake = FakeVllm(monkeypatch, version=version, line=line)
@@ -728,11 +727,11 @@ def test_the_plan_is_what_the_plugin_does(
     plan = _vllm_plugin.plan()
     if plan.action == "refuse":
         with pytest.raises((ValueError, kv_vllm.VLLMLayoutError)) as refused:
-            kv_vllm.plugin()
+            _vllm_plugin.plugin()
         assert str(refused.value) == plan.reason
         assert kv_vllm.status()["implementation"] is None
         return
-    kv_vllm.plugin()
+    _vllm_plugin.plugin()
     did = kv_vllm.status()
     if did["implementation"] is None:
         assert plan.action in ("off", "stay_off")
@@ -791,7 +790,6 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
     """Issue 31, item 3: another project's patch over a guard after install() bypasses it:
     status(), the plugin's log line and its plan say so, install() again refuses it (or,
     wrap_foreign, guards it again), as a first install would."""
-    from kvqueue import _vllm_plugin
 
     kv_vllm.install("python", on_misuse="raise")
     theirs = _module("their_project.patches")
@@ -813,7 +811,7 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
     assert kv_vllm.status()["bypassed"] == state["bypassed"]
     monkeypatch.setenv(_env.WRAP_FOREIGN, "1")
     with caplog.at_level("INFO", logger="kvqueue"):
-        kv_vllm.plugin()
+        _vllm_plugin.plugin()
     assert kv_vllm.status()["bypassed"] == {}
     assert "free_blocks" in kv_vllm.status()["guarded"]
     pool = fake.pool.BlockPool(4)

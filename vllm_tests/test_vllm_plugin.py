@@ -62,7 +62,7 @@ def probe(code: str = PROBE, **env: str) -> dict[str, Any]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout)
-    assert result["entry_point"] == "kvqueue.vllm:plugin"
+    assert result["entry_point"] == "kvqueue._vllm_plugin:plugin"
     assert result["dist"] == "kvqueue"
     # The installed wheel, not this checkout's src/.
     assert "site-packages" in result["kvqueue_file"]

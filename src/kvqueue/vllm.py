@@ -14,8 +14,8 @@ version, its ``KVCacheBlock`` fields, its queue's methods and its pool's guarded
 Anything else raises :class:`VLLMLayoutError` and leaves vLLM untouched. Importing this
 module does not import vLLM.
 
-vLLM's plugin entry point (group ``vllm.general_plugins``) is :func:`plugin`
-(``kvqueue._vllm_plugin``): it installs when ``KVQUEUE_VLLM`` asks. It patches the calling
+vLLM's plugin entry point (group ``vllm.general_plugins``) is ``kvqueue._vllm_plugin.plugin``,
+which calls :func:`install` when ``KVQUEUE_VLLM`` asks. It patches the calling
 process; vLLM's engine core runs in a child process, which a fork (vLLM's default) inherits
 the patch into and which the plugin, called in every process vLLM starts, patches otherwise.
 """
@@ -36,7 +36,6 @@ from ._block import check_block_type
 from ._errors import HolderAuditError
 from ._report import audit_findings, audited_steps, pool_repairs
 from ._vllm_lines import Line, VLLMLayoutError
-from ._vllm_plugin import plugin
 
 __all__ = (
     "HolderAuditError",
@@ -47,7 +46,6 @@ __all__ = (
     "check",
     "install",
     "patched",
-    "plugin",
     "pool_repairs",
     "status",
     "uninstall",

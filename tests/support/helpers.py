@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+import pytest
 
 Snapshot = tuple[int, tuple[tuple[int, int, int], ...]]
 
@@ -51,6 +55,20 @@ def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) 
 
 
 TESTS = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str) -> ModuleType:
+    """Import one of the checkout's scripts (``examples/demo.py``) by path; skip where the
+    suite runs on an installed wheel, away from the checkout."""
+    path = TESTS.parent / relative
+    if not path.is_file():
+        pytest.skip(f"the suite runs outside the source tree (no {relative})")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_isolated(
