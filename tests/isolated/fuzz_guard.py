@@ -43,10 +43,14 @@ COUNTS = {
     "shortfalls": 0,
 }
 POOLS: list[Any] = []
-# Held by the switching thread whenever it allocates (and so may run the collector, and with
-# it a finalizer that frees blocks), and by check(): a free run on that thread mid-check
-# would make a sound list look miscounted.
-SWITCHING = threading.Lock()
+# Held by a finalizer while it frees and by check(): the collector may run a finalizer on the
+# switching thread (any allocation there), and its free mid-check would make a sound list
+# look miscounted.
+FREEING = threading.Lock()
+# The blocks a call of the program is about to give back: a finalizer that freed one of them
+# too (in another of the program's entries for it) would free a reference twice, from two
+# threads, between the guard's screen and the pool's own update, which no guard can see.
+IN_FLIGHT: set[int] = set()
 
 
 class Hostile(logging.Filter):
@@ -77,7 +81,9 @@ class Freer:
         self.pool, self.held, self.me = pool, held, self
 
     def __del__(self) -> None:
-        if self.held:
+        with FREEING:
+            if not self.held or id(self.held[-1]) in IN_FLIGHT:
+                return
             COUNTS["finalizers"] += 1
             block = self.held.pop()
             try:
@@ -88,18 +94,19 @@ class Freer:
 
 def check(pool: Any) -> None:
     queue = pool.free_block_queue
-    with SWITCHING:
-        reason = well_formed(queue)
-        assert reason is None, reason
-        # With the collector off: a finalizer may free a block between the two reads.
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+    # The collector off before the lock: a finalizer run here, on this thread, would wait
+    # for the lock this thread holds.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with FREEING:
+            reason = well_formed(queue)
+            assert reason is None, reason
             free = queue.get_all_free_blocks()
             assert queue.num_free_blocks == len(free), (queue.num_free_blocks, len(free))
-        finally:
-            if enabled:
-                gc.enable()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def run(name: str, seed: int, ops: int) -> Stats:
@@ -138,12 +145,11 @@ def run(name: str, seed: int, ops: int) -> Stats:
             screens = [screen_of(mod), other]
             choose = random.Random(seed)
             while not stop.is_set():
-                with SWITCHING:
-                    _pool_guard.guard(
-                        cls, choose.choice(screens), _policy_of, wrap_foreign=False, line=of
-                    )
-                    COUNTS["switches"] += 1
-                time.sleep(0.001)  # allocates nothing the collector counts
+                _pool_guard.guard(
+                    cls, choose.choice(screens), _policy_of, wrap_foreign=False, line=of
+                )
+                COUNTS["switches"] += 1
+                time.sleep(0.001)
 
         # Threads take turns often, so that switches land inside calls.
         sys.setswitchinterval(1e-5)
@@ -222,7 +228,11 @@ def step(pool: Any, pools: list[Any], held: dict[int, list[Any]], of: Any) -> No
             # pop(), not a copy then remove(): a copy allocates, and a finalizer run by that
             # allocation may take the same block out of ``mine`` first.
             block = mine.pop()
-            pool.unpin_blocks([block] * RNG.choice([1, 2]), on_reuse=lambda block: None)
+            IN_FLIGHT.add(id(block))
+            try:
+                pool.unpin_blocks([block] * RNG.choice([1, 2]), on_reuse=lambda block: None)
+            finally:
+                IN_FLIGHT.discard(id(block))
         elif mine and pool is not strict:
             Freer(pool, mine)
             block = RNG.choice(list(mine) or [None])
