@@ -1,8 +1,8 @@
 """kvqueue: vLLM's free KV-cache block queue, compiled.
 
 ``import kvqueue`` loads the compiled twin (``kvqueue._queue``) when it can,
-else the pure-Python one (``kvqueue._queue_py``); ``KVQUEUE_PURE=1`` forces the
-pure twin (``0`` or unset: the default; any other value is refused, see ``_env``).
+else the pure-Python one (``kvqueue._queue_py``), as ``_twin`` decides; ``KVQUEUE_PURE=1``
+forces the pure twin (``0`` or unset: the default; any other value is refused, see ``_env``).
 ``IMPLEMENTATION`` says which one is live.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from . import _env
+from . import _env, _twin
 from ._block import KVCacheBlock
 
 __all__ = ("IMPLEMENTATION", "FreeKVCacheBlockQueue", "KVCacheBlock", "__version__")
@@ -45,35 +45,22 @@ def _vllms_loader() -> bool:
     return False
 
 
-IMPLEMENTATION: str
+_chosen = _twin.load(_pure())
+if _chosen.failed:
+    # pip hides the build's own warning that the extension failed to compile: this is where
+    # a user of such an install learns of it.
+    import warnings
+
+    warnings.warn(
+        f"kvqueue: the compiled queue is not available ({_chosen.failed}); using the "
+        "pure-Python twin, whose calls are slower. "
+        "Set KVQUEUE_PURE=1 to choose it and silence this.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+#: ``"cython"`` or ``"python"``: the twin ``import kvqueue`` loaded.
+IMPLEMENTATION: str = _chosen.name
 if TYPE_CHECKING:
     from ._queue_py import FreeKVCacheBlockQueue
-elif _pure() or sys.implementation.name != "cpython":
-    from ._queue_py import FreeKVCacheBlockQueue
-
-    IMPLEMENTATION = "python"
 else:
-    try:
-        from ._queue import FreeKVCacheBlockQueue
-
-        IMPLEMENTATION = "cython"
-    except ImportError as exc:
-        # pip hides the build's own warning that the extension failed to
-        # compile: this is where a user of such an install learns of it.
-        import warnings
-
-        warnings.warn(
-            f"kvqueue: the compiled queue is not available ({exc}); using the pure-Python "
-            "twin, whose calls are slower. Set KVQUEUE_PURE=1 to choose it and silence this.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        from ._queue_py import FreeKVCacheBlockQueue
-
-        IMPLEMENTATION = "python"
-    except RuntimeWarning:
-        # A free-threaded CPython run with -W error refuses to re-enable the
-        # GIL for the compiled twin; the pure one needs no GIL.
-        from ._queue_py import FreeKVCacheBlockQueue
-
-        IMPLEMENTATION = "python"
+    FreeKVCacheBlockQueue = _chosen.queue

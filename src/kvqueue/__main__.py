@@ -24,7 +24,7 @@ from typing import Any
 
 import kvqueue
 
-from . import _env, _foreign, _vllm_lines, _vllm_plugin
+from . import _env, _foreign, _twin, _vllm_lines, _vllm_plugin
 
 
 def report() -> tuple[dict[str, Any], list[str]]:
@@ -40,7 +40,7 @@ def report() -> tuple[dict[str, Any], list[str]]:
     problems += decided.problems
     try:
         _env.flag(_env.PURE)
-        implementation, why = kvqueue.IMPLEMENTATION, _why()
+        implementation, why = kvqueue.IMPLEMENTATION, _twin.loaded().why
     except ValueError as exc:
         implementation, why = None, f"it raises: {exc}"
     settings = decided.settings
@@ -123,20 +123,6 @@ def _bypassing(points: list[Any]) -> list[str]:
                 f"{_env.WRAP_FOREIGN}=1 cannot help: the patch comes after the guard"
             )
     return problems
-
-
-def _why() -> str:
-    if kvqueue.IMPLEMENTATION == "cython":
-        return "the compiled twin (kvqueue._queue) imported"
-    if os.environ.get(_env.PURE, "") == "1":
-        return f"{_env.PURE}=1"
-    if sys.implementation.name != "cpython":
-        return f"{sys.implementation.name} runs the pure twin"
-    try:
-        from . import _queue  # noqa: F401
-    except ImportError as exc:
-        return f"the compiled twin cannot be imported: {exc}"
-    return "the pure twin was chosen"
 
 
 def _vllm() -> dict[str, Any]:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _foreign, _log, _policy, _pool_guard, _rules, _vllm_lines
+from . import _foreign, _log, _policy, _pool_guard, _rules, _twin, _vllm_lines
 from ._block import check_block_type
 from ._errors import HolderAuditError
 from ._report import audit_findings, audited_steps, pool_repairs
@@ -165,8 +165,8 @@ def install(
     if on_misuse is not None:
         on_misuse = _policy.resolve(on_misuse)
     _rules.audit_every()  # a bad KVQUEUE_AUDIT_EVERY raises here, before anything changes
-    queue_class, name = _queue_class(implementation)
-    screen = _screen_module(name)
+    twin = _twin.named(implementation)
+    queue_class, name, screen = twin.queue, twin.name, twin.screen
     with _lock:
         state = _installed
         if state is None:
@@ -419,7 +419,8 @@ def check(implementation: Implementation = "auto", *, wrap_foreign: bool = False
     a guarded method another project patched over the guard is refused as a first install
     refuses it, unless ``wrap_foreign``.
     """
-    queue_class, name = _queue_class(implementation)
+    twin = _twin.named(implementation)
+    queue_class, name = twin.queue, twin.name
     with _lock:
         if _installed is not None:
             pool_class = _installed.pool_class
@@ -430,34 +431,3 @@ def check(implementation: Implementation = "auto", *, wrap_foreign: bool = False
         state = _checked(True, wrap_foreign, queue_class, name, None)
         _originals(state, wrap_foreign)
         _holders(state.original)
-
-
-def _queue_class(implementation: str) -> tuple[type, str]:
-    if implementation == "auto":
-        import kvqueue
-
-        return kvqueue.FreeKVCacheBlockQueue, kvqueue.IMPLEMENTATION
-    if implementation == "cython":
-        try:
-            from ._queue import FreeKVCacheBlockQueue as compiled
-        except ImportError as exc:
-            raise ImportError(
-                f"kvqueue's compiled queue is not available ({exc}); "
-                "use install('python') or install('auto')"
-            ) from exc
-        return compiled, "cython"
-    if implementation == "python":
-        from ._queue_py import FreeKVCacheBlockQueue as pure
-
-        return pure, "python"
-    raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {implementation!r}")
-
-
-def _screen_module(implementation: str) -> ModuleType:
-    if implementation == "cython":
-        from . import _screen
-
-        return _screen
-    from . import _screen_py
-
-    return _screen_py

@@ -1,0 +1,93 @@
+"""The one choice of twin: the queue class and the pool guard's screens that go with it.
+
+``import kvqueue`` makes the ``"auto"`` choice once (:func:`load`); ``kvqueue.vllm.install``
+and ``python -m kvqueue`` read that choice (:func:`loaded`) or name a twin (:func:`named`),
+so the reason a twin was chosen is worked out here only.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+from . import _env
+
+__all__ = ("Twin", "load", "loaded", "named")
+
+
+@dataclass(frozen=True)
+class Twin:
+    """``name``: ``"cython"`` or ``"python"``; ``queue``: its ``FreeKVCacheBlockQueue``;
+    ``screen``: its screens for the pool guard; ``why``: the reason it was chosen, in words;
+    ``failed``: why the compiled twin, wanted, could not be imported ("" if it was not)."""
+
+    name: str
+    queue: type
+    screen: ModuleType
+    why: str
+    failed: str = ""
+
+
+_loaded: Twin | None = None
+
+
+def load(pure: bool) -> Twin:
+    """The twin ``import kvqueue`` loads: the compiled one when it can, else the pure one."""
+    global _loaded
+    if pure:
+        _loaded = _pure(f"{_env.PURE}=1")
+    elif sys.implementation.name != "cpython":
+        _loaded = _pure(f"{sys.implementation.name} runs the pure twin")
+    else:
+        try:
+            _loaded = _compiled()
+        except ImportError as exc:
+            _loaded = _pure(f"the compiled twin cannot be imported: {exc}", failed=str(exc))
+        except RuntimeWarning:
+            # A free-threaded CPython run with -W error refuses to re-enable the GIL for the
+            # compiled twin; the pure one needs no GIL.
+            _loaded = _pure("the compiled twin would re-enable the GIL (-W error)")
+    return _loaded
+
+
+def loaded() -> Twin:
+    """The twin ``import kvqueue`` loaded."""
+    assert _loaded is not None  # the package's __init__ loads one before any submodule runs
+    return _loaded
+
+
+def named(implementation: str) -> Twin:
+    """``"auto"``: the twin ``import kvqueue`` loaded; ``"cython"`` or ``"python"``: that one.
+
+    Raises ImportError for ``"cython"`` where the compiled twin is not available, and
+    ValueError for any other name.
+    """
+    if implementation == "auto":
+        return loaded()
+    if implementation == "cython":
+        try:
+            return _compiled()
+        except ImportError as exc:
+            raise ImportError(
+                f"kvqueue's compiled queue is not available ({exc}); "
+                "use install('python') or install('auto')"
+            ) from exc
+    if implementation == "python":
+        return _pure("named")
+    raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {implementation!r}")
+
+
+def _compiled() -> Twin:
+    from ._queue import FreeKVCacheBlockQueue  # isort: skip (its error names the queue)
+    from . import _screen
+
+    why = "the compiled twin (kvqueue._queue) imported"
+    return Twin("cython", FreeKVCacheBlockQueue, _screen, why)
+
+
+def _pure(why: str, *, failed: str = "") -> Twin:
+    from . import _screen_py
+    from ._queue_py import FreeKVCacheBlockQueue
+
+    return Twin("python", FreeKVCacheBlockQueue, _screen_py, why, failed)
