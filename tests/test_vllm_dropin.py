@@ -599,7 +599,7 @@ def test_a_module_imported_after_install_is_switched_and_restored(
     assert _builds(late.FreeKVCacheBlockQueue) is first is _queue_py.FreeKVCacheBlockQueue
     kv_vllm.install("python", on_misuse="repair")
     assert late.FreeKVCacheBlockQueue is fake.utils.FreeKVCacheBlockQueue
-    assert late.FreeKVCacheBlockQueue.on_misuse == "repair"
+    assert late.FreeKVCacheBlockQueue([]).on_misuse == "repair"
     kv_vllm.uninstall()
     assert late.FreeKVCacheBlockQueue is VllmQueue
 

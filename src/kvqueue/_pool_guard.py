@@ -64,7 +64,22 @@ GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
 #: a step, before any block is counted free for a request or handed out.
 AUDITED = ("new_step_starts",)
 
-PolicyOf = Callable[[Any], _policy.MisusePolicy]
+
+class PoolPolicy:
+    """A pool's misuse policy, decided here only: its queue's ``on_misuse``, else
+    ``default`` (the one given to ``kvqueue.vllm.install()``; None: ``KVQUEUE_ON_MISUSE``,
+    read at each call). kvqueue.vllm shares one between its guards and the queues it builds
+    for vLLM, so that setting ``default`` changes both."""
+
+    __slots__ = ("default",)
+
+    def __init__(self, default: _policy.MisusePolicy | None = None) -> None:
+        self.default = default
+
+    def __call__(self, pool: Any) -> _policy.MisusePolicy:
+        own = getattr(pool.free_block_queue, "on_misuse", None)
+        return _policy.resolve(own if own in ("raise", "repair") else self.default)
+
 
 _MISSING: Any = object()
 _namespace = type.__dict__["__dict__"].__get__
@@ -78,7 +93,7 @@ class _Guard:
         "name",
         "original",
         "owner",
-        "policy_of",
+        "policy",
         "retired",
         "screen",
         "signature",
@@ -90,13 +105,13 @@ class _Guard:
         name: str,
         original: Callable[..., Any],
         screen: ModuleType,
-        policy_of: PolicyOf,
+        policy: PoolPolicy,
     ) -> None:
         self.owner = weakref.ref(owner)
         self.name = name
         self.original = original
         self.screen = screen
-        self.policy_of = policy_of
+        self.policy = policy
         # A guard that a later patch wraps cannot be taken out from under it: retired
         # (unguard(), or a new guard over that patch), it does what vLLM's method does.
         self.retired = False
@@ -177,14 +192,14 @@ def in_place(pool_class: type, names: Iterable[str]) -> tuple[list[str], dict[st
 def guard(
     pool_class: type,
     screen: ModuleType,
-    policy_of: PolicyOf,
+    policy: PoolPolicy,
     *,
     wrap_foreign: bool,
     line: Any,
     names: tuple[str, ...] = GUARDED,
 ) -> dict[str, Any]:
     """Replace each guarded method ``pool_class`` has with its guard for vLLM ``line``
-    (a ``kvqueue._vllm_lines.Line``); return the originals.
+    (a ``kvqueue._vllm_lines.Line``), under ``policy``; return the originals.
 
     A method that is kvqueue's guard already is replaced by the new guard in one
     assignment (no call between finds the method unguarded); one that another project
@@ -196,7 +211,7 @@ def guard(
     namespace = _namespace(pool_class)
     made = {}
     for name, original in replaced.items():
-        made[name] = _WRAPPERS[name](_Guard(pool_class, name, original, screen, policy_of), line)
+        made[name] = _WRAPPERS[name](_Guard(pool_class, name, original, screen, policy), line)
     for name, function in made.items():
         under = _ours(namespace.get(name)) is None
         _assign(pool_class, name, function)
@@ -345,7 +360,7 @@ def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:
 
     def new_step_starts(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not made.retired:
-            audit(self, screen, made.policy_of, every)
+            audit(self, screen, made.policy, every)
         return original(self, *args, **kwargs)
 
     return _wrapped(made, new_step_starts)
@@ -463,7 +478,7 @@ def _free(
         return original(pool, blocks, *args, **kwargs)
     method = made.name
     plan = _Plan(pool, blocks, line, method)
-    if (plan.dropped or plan.linked or plan.strays) and made.policy_of(pool) == "raise":
+    if (plan.dropped or plan.linked or plan.strays) and made.policy(pool) == "raise":
         if plan.dropped or plan.linked:
             _raise_double_free(pool, method, plan)
         _screen_strays(pool, method, plan.strays)
@@ -526,7 +541,7 @@ def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
 def _screen_other(owner: Any, group: list[Any], line: Any) -> None:
     """Raise now what ``owner``'s guard would raise when vLLM hands it ``group``."""
     made = _ours(_block.lookup(type(owner), "free_blocks"))
-    if made is None or made.retired or made.policy_of(owner) != "raise":
+    if made is None or made.retired or made.policy(owner) != "raise":
         return
     if made.screen.first_excess(group, line.pool_ref(owner)) >= 0:
         plan = _Plan(owner, group, line, "free_blocks")
@@ -576,7 +591,7 @@ def _touch(
         and not block.is_null
         and _count(pool, "touch", block) < 0
     ]
-    if negative and made.policy_of(pool) == "raise":
+    if negative and made.policy(pool) == "raise":
         block = negative[0]
         _report.count_refusal("touch", "negative_ref")
         raise ValueError(
@@ -626,7 +641,7 @@ def _alloc(
         block = block.next_free_block
     if not bad:  # code a block ran during the walk took the misuse away
         return original(pool, num_blocks, *args, **kwargs)
-    if made.policy_of(pool) == "raise":
+    if made.policy(pool) == "raise":
         block, refs = bad[0]
         _report.count_refusal("get_new_blocks", "held_free" if refs > 0 else "negative_ref")
         raise ValueError(

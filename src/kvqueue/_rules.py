@@ -66,7 +66,7 @@ def audit_every() -> int:
 
 
 def audit_holders(
-    manager: Any, screen: ModuleType, policy_of: Callable[[Any], str], every: int = 1
+    manager: Any, screen: ModuleType, policy: Callable[[Any], str], every: int = 1
 ) -> None:
     """The holder audit of vLLM's ``KVCacheManager`` ``manager``: nothing when every
     listed block is held; else raises or repairs as the pool's policy says.
@@ -108,7 +108,7 @@ def audit_holders(
     managers = [m for m in coordinator.single_type_managers if not _unpins(type(m))]
     found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
-        _found(pool, managers, found, policy_of(pool))
+        _found(pool, managers, found, policy(pool))
 
 
 def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str) -> None:

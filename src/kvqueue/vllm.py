@@ -68,7 +68,7 @@ class _QueueName(type):
 
     queue_class: type
     block_type: type
-    on_misuse: _policy.MisusePolicy | None
+    policy: _pool_guard.PoolPolicy
 
     def __call__(
         cls,
@@ -84,7 +84,7 @@ class _QueueName(type):
             if not blocks:
                 block_type = cls.block_type
         if on_misuse is None:
-            on_misuse = cls.on_misuse
+            on_misuse = cls.policy.default
         return cls.queue_class(blocks, block_type=block_type, on_misuse=on_misuse)
 
     def __instancecheck__(cls, instance: Any) -> bool:
@@ -97,16 +97,14 @@ class _QueueName(type):
         return getattr(cls.queue_class, name)
 
 
-def _queue_name(
-    queue_class: type, block_type: type, on_misuse: _policy.MisusePolicy | None
-) -> _QueueName:
+def _queue_name(queue_class: type, block_type: type, policy: _pool_guard.PoolPolicy) -> _QueueName:
     namespace = {
         "__module__": __name__,
         "__qualname__": _NAME,
         "__doc__": f"Builds {queue_class.__module__}.{queue_class.__qualname__} for vLLM.",
         "queue_class": queue_class,
         "block_type": block_type,
-        "on_misuse": on_misuse,
+        "policy": policy,
     }
     return _QueueName(_NAME, (), namespace)
 
@@ -115,7 +113,8 @@ def _queue_name(
 class _Installed:
     implementation: str
     queue_class: type
-    on_misuse: _policy.MisusePolicy | None
+    # install()'s on_misuse, for the guards and the queues built for vLLM alike.
+    policy: _pool_guard.PoolPolicy
     line: Line
     # What vLLM's FreeKVCacheBlockQueue name is bound to now, and vLLM's own class.
     bound: _QueueName
@@ -180,7 +179,7 @@ def install(
             _installed = state
         else:
             wrap_foreign = state.wrap_foreign or wrap_foreign
-            rebind = state.queue_class is not queue_class or state.on_misuse != on_misuse
+            rebind = state.queue_class is not queue_class
             targets = _holders(None) if rebind else []
             # A guard another project's later patch replaced is checked as a first install
             # checks it: refused, or (wrap_foreign) wrapped by a new guard.
@@ -196,10 +195,10 @@ def install(
                 _unguard(state)
             state.wrap_foreign = wrap_foreign
             if rebind:
-                state.bound = _queue_name(queue_class, state.bound.block_type, on_misuse)
+                state.bound = _queue_name(queue_class, state.bound.block_type, state.policy)
                 _bind(targets, state.bound)
             state.queue_class, state.implementation = queue_class, name
-            state.on_misuse = on_misuse
+            state.policy.default = on_misuse
         _log.forward_to_vllm(True)
         return queue_class
 
@@ -245,11 +244,12 @@ def _checked(
     if foreign:
         _log.logger.warning("kvqueue: %s; kvqueue's queue replaces it (wrap_foreign)", foreign)
     assert isinstance(block_class, type)
-    bound = _queue_name(queue_class, block_class, on_misuse)
+    policy = _pool_guard.PoolPolicy(on_misuse)
+    bound = _queue_name(queue_class, block_class, policy)
     return _Installed(
         name,
         queue_class,
-        on_misuse,
+        policy,
         line,
         bound,
         original,
@@ -279,12 +279,12 @@ def _guard(state: _Installed, screen: ModuleType) -> None:
     Both classes are checked before either is changed."""
     _originals(state, state.wrap_foreign)
     state.pool_originals = _pool_guard.guard(
-        state.pool_class, screen, _pool_policy, wrap_foreign=state.wrap_foreign, line=state.line
+        state.pool_class, screen, state.policy, wrap_foreign=state.wrap_foreign, line=state.line
     )
     state.manager_originals = _pool_guard.guard(
         state.manager_class,
         screen,
-        _pool_policy,
+        state.policy,
         wrap_foreign=state.wrap_foreign,
         line=state.line,
         names=_pool_guard.AUDITED,
@@ -302,15 +302,6 @@ def _unguard(state: _Installed) -> None:
     _pool_guard.unguard(state.manager_class, state.manager_originals)
     state.pool_originals = {}
     state.manager_originals = {}
-
-
-def _pool_policy(pool: Any) -> _policy.MisusePolicy:
-    """A pool guard's policy: its queue's, else install()'s (or the environment's)."""
-    policy = getattr(pool.free_block_queue, "on_misuse", None)
-    if policy in ("raise", "repair"):
-        return _policy.resolve(policy)
-    state = _installed
-    return _policy.resolve(state.on_misuse if state is not None else None)
 
 
 def _holders(original: type | None) -> list[ModuleType]:
@@ -378,7 +369,7 @@ def status() -> dict[str, Any]:
         bypassed.update({f"KVCacheManager.{name}": why for name, why in skipped.items()})
     return {
         "implementation": None if state is None else state.implementation,
-        "on_misuse": None if state is None else state.on_misuse,
+        "on_misuse": None if state is None else state.policy.default,
         "line": None if state is None else state.line.name,
         "pool_guard": bool(guarded),
         "guarded": guarded,
@@ -396,7 +387,9 @@ def patched(
 ) -> Iterator[type]:
     """``with kvqueue.vllm.patched():`` install for the block only (as it was after)."""
     was = _installed
-    before = None if was is None else (was.implementation, was.on_misuse, bool(was.pool_originals))
+    before = (
+        None if was is None else (was.implementation, was.policy.default, bool(was.pool_originals))
+    )
     queue_class = install(implementation, on_misuse=on_misuse, pool_guard=pool_guard)
     try:
         yield queue_class

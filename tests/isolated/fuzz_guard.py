@@ -28,7 +28,7 @@ from typing import Any
 from kvqueue import _pool_guard
 from kvqueue._vllm_lines import LINES
 
-from support.fake_pool import guarded, make_pool, screen_of, state
+from support.fake_pool import guarded, make_pool, policy_of, screen_of, state
 from support.fuzz_common import Stats, main, well_formed
 from support.twins import twin
 
@@ -146,7 +146,7 @@ def run(name: str, seed: int, ops: int) -> Stats:
             choose = random.Random(seed)
             while not stop.is_set():
                 _pool_guard.guard(
-                    cls, choose.choice(screens), _policy_of, wrap_foreign=False, line=of
+                    cls, choose.choice(screens), policy_of, wrap_foreign=False, line=of
                 )
                 COUNTS["switches"] += 1
                 time.sleep(0.001)
@@ -170,10 +170,6 @@ def run(name: str, seed: int, ops: int) -> Stats:
         POOLS.clear()
         COUNTS["repairs"] = sum(sum(_pool_guard.pool_repairs(each).values()) for each in pools)
     return COUNTS
-
-
-def _policy_of(pool: Any) -> Any:
-    return pool.free_block_queue.on_misuse
 
 
 def step(pool: Any, pools: list[Any], held: dict[int, list[Any]], of: Any) -> None:

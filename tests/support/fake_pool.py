@@ -195,8 +195,8 @@ def pool_class(
     return cls
 
 
-def policy_of(pool: Any) -> Any:
-    return pool.free_block_queue.on_misuse
+# Every stand-in pool's queue is kvqueue's, with its own on_misuse: the policy the guard uses.
+policy_of = _pool_guard.PoolPolicy()
 
 
 def screen_of(queue_mod: ModuleType) -> ModuleType:
