@@ -62,7 +62,12 @@ POOL_SOURCE = textwrap.dedent(
 
         def free_blocks(self, ordered_blocks, *rest):
             freed = []
-            for block in ordered_blocks:
+            if COUNTS_FIRST:  # vLLM 0.23: every count released, then every occurrence at 0 queued
+                blocks = list(ordered_blocks)
+                for block in blocks:
+                    block.ref_cnt -= 1
+                freed = [block for block in blocks if block.ref_cnt == 0 and not block.is_null]
+            for block in [] if COUNTS_FIRST else ordered_blocks:
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0 and not block.is_null:
                     freed.append(block)
@@ -89,6 +94,7 @@ def _line_pool(pool: Any, line: Line) -> None:
     """Give the fake ``BlockPool`` exactly ``line``'s guarded methods and parameters."""
     cls = pool.BlockPool
     pool.OWNER = (lambda p: {"pool": line.pool_ref(p)}) if line.has_pool_field else (lambda p: {})
+    pool.COUNTS_FIRST = line.counts_first
     if "unpin_blocks" not in line.pool_methods:
         del cls.unpin_blocks
     first, *rest = line.pool_methods["free_blocks"]
@@ -134,7 +140,7 @@ class FakeVllm:
             self.utils,
         ):
             monkeypatch.setitem(sys.modules, module.__name__, module)
-        self.pool = _module(POOL, OWNER=lambda p: {"pool": p})
+        self.pool = _module(POOL, OWNER=lambda p: {"pool": p}, COUNTS_FIRST=False)
         # Imported (and so bound) before install, like vLLM's engine core would.
         monkeypatch.setitem(sys.modules, POOL, self.pool)
         exec(compile(POOL_SOURCE, "<fake block_pool>", "exec"), self.pool.__dict__)
@@ -818,3 +824,35 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
     (block,) = pool.get_new_blocks(1)
     with pytest.raises(ValueError, match="double free"):
         pool.free_blocks([block, block])
+
+
+@pytest.mark.parametrize("pool_guard", [True, False])
+def test_a_block_freed_by_each_of_its_references_in_one_call_is_kept(
+    monkeypatch: pytest.MonkeyPatch, queue_mod: ModuleType, pool_guard: bool
+) -> None:
+    """Issue 31, item 8: vLLM 0.23 queues such a block once per occurrence, which the queue
+    refuses under "raise" after vLLM released every count; with the guard off too, the
+    block is queued once, at 0, not lost."""
+    (oldest,) = [line for line in LINES if line.counts_first]
+    fake = FakeVllm(monkeypatch, line=oldest)
+    vllms_free = fake.pool.BlockPool.free_blocks
+    kv_vllm.install(_implementation(queue_mod), on_misuse="raise", pool_guard=pool_guard)
+    assert kv_vllm.status()["pool_guard"] is pool_guard
+    pool = fake.pool.BlockPool(8)
+    queue: Any = pool.free_block_queue
+    (block,) = pool.get_new_blocks(1)
+    pool.touch([block])
+    pool.free_blocks([block, block])
+    assert block.ref_cnt == 0
+    assert list(queue)[-1] is block
+    assert queue.num_free_blocks == len(queue.get_all_free_blocks()) == 7
+    kv_vllm.install(_implementation(queue_mod), pool_guard=not pool_guard)
+    kv_vllm.install(_implementation(queue_mod), pool_guard=pool_guard)
+    kv_vllm.uninstall()
+    assert fake.pool.BlockPool.free_blocks is vllms_free
+
+
+def test_the_correction_is_of_the_line_that_counts_first_only(fake: FakeVllm) -> None:
+    vllms_free = fake.pool.BlockPool.free_blocks
+    kv_vllm.install(pool_guard=False)
+    assert fake.pool.BlockPool.free_blocks is vllms_free

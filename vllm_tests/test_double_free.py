@@ -71,9 +71,14 @@ def _install_state() -> Iterator[None]:
 
 
 def new_pool(
-    kind: str, policy: str | None, monkeypatch: pytest.MonkeyPatch, num_blocks: int = NUM_BLOCKS
+    kind: str,
+    policy: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    num_blocks: int = NUM_BLOCKS,
+    pool_guard: bool = True,
 ) -> Any:
-    """A pool with ``kind``'s queue, and for kvqueue its guard, installed until the test ends."""
+    """A pool with ``kind``'s queue, and for kvqueue its guard (unless not ``pool_guard``),
+    installed until the test ends."""
     if policy is None:
         monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
     else:
@@ -81,7 +86,7 @@ def new_pool(
     if kind == "vllm":
         kvqueue_vllm.uninstall()
     else:
-        kvqueue_vllm.install(kind)
+        kvqueue_vllm.install(kind, pool_guard=pool_guard)
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16)
     queue = pool.free_block_queue
     if kind == "vllm":
@@ -326,6 +331,21 @@ def test_vllm_023_queues_a_block_held_twice_and_listed_twice_twice(monkeypatch):
     assert block.ref_cnt == 0
     assert block.prev_free_block is block  # appended after itself
     assert pool.get_num_free_blocks() == len(truly_free(pool)) + 1
+
+
+@pytest.mark.skipif(not LINE.counts_first, reason="from 0.24 the block is queued once")
+@pytest.mark.parametrize("pool_guard", [True, False])
+@pytest.mark.parametrize("kind", KVQUEUE)
+def test_kvqueue_queues_a_block_held_twice_and_listed_twice_once(kind, pool_guard, monkeypatch):
+    """Issue 31, item 8: the queue refuses a block twice in one batch, after vLLM 0.23
+    released every count; with the guard off too, it is queued once and not lost."""
+    pool = new_pool(kind, "raise", monkeypatch, pool_guard=pool_guard)
+    (block,) = pool.get_new_blocks(1)
+    pool.touch([block])
+    pool.free_blocks([block, block])
+    assert block.ref_cnt == 0
+    assert block.block_id in linked_ids(pool)
+    assert_pool_whole(pool)
 
 
 @pytest.mark.parametrize("kind", KVQUEUE)

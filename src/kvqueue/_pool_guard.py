@@ -63,6 +63,10 @@ GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
 #: The ``KVCacheManager`` method the holder audit runs in: the first the scheduler calls in
 #: a step, before any block is counted free for a request or handed out.
 AUDITED = ("new_step_starts",)
+#: What kvqueue corrects with the guard off, on a line that counts first (vLLM 0.23): its
+#: ``free_blocks`` queues a block once per occurrence, which kvqueue's queue refuses after
+#: vLLM released every count (the block would be lost), where the guard queues it once.
+CORRECTED = ("free_blocks",)
 
 
 class PoolPolicy:
@@ -197,9 +201,11 @@ def guard(
     wrap_foreign: bool,
     line: Any,
     names: tuple[str, ...] = GUARDED,
+    correct_only: bool = False,
 ) -> dict[str, Any]:
     """Replace each guarded method ``pool_class`` has with its guard for vLLM ``line``
     (a ``kvqueue._vllm_lines.Line``), under ``policy``; return the originals.
+    ``correct_only``: with the guard off, :data:`CORRECTED` queues a block once, unscreened.
 
     A method that is kvqueue's guard already is replaced by the new guard in one
     assignment (no call between finds the method unguarded); one that another project
@@ -211,7 +217,8 @@ def guard(
     namespace = _namespace(pool_class)
     made = {}
     for name, original in replaced.items():
-        made[name] = _WRAPPERS[name](_Guard(pool_class, name, original, screen, policy), line)
+        wrapper = _once_guard if correct_only else _WRAPPERS[name]
+        made[name] = wrapper(_Guard(pool_class, name, original, screen, policy), line)
     for name, function in made.items():
         under = _ours(namespace.get(name)) is None
         _assign(pool_class, name, function)
@@ -297,6 +304,26 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         return _free(made, line, self, blocks, args, kwargs)
 
     return _wrapped(made, guarded)
+
+
+def _once_guard(made: _Guard, line: Any) -> Callable[..., Any]:
+    original = made.original
+    parameter = _parameter(line, made.name)
+
+    def free_blocks(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if blocks is _MISSING:
+            blocks = kwargs.pop(parameter, _MISSING)
+            if blocks is _MISSING:
+                return original(self, *args, **kwargs)
+        elif kwargs and parameter in kwargs:
+            return original(self, blocks, *args, **kwargs)
+        blocks = list(blocks)
+        if made.retired or len({id(block) for block in blocks}) == len(blocks):
+            return original(self, blocks, *args, **kwargs)
+        refs = {id(b): b.ref_cnt for b in blocks if type(b.ref_cnt) is int and not b.is_null}
+        return original(self, _once_each(refs, blocks), *args, **kwargs)
+
+    return _wrapped(made, free_blocks)
 
 
 def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
@@ -496,7 +523,7 @@ def _free(
         _repaired(pool, method, block, "double_free", notes)
     kept = plan.kept
     if line.counts_first and method == "free_blocks":
-        kept = _once_each(plan, kept)
+        kept = _once_each(plan.refs, kept)
     return _then_log(notes, original, pool, kept, *args, **kwargs)
 
 
@@ -549,9 +576,10 @@ def _screen_other(owner: Any, group: list[Any], line: Any) -> None:
             _raise_double_free(owner, "free_blocks", plan)
 
 
-def _once_each(plan: _Plan, kept: list[Any]) -> list[Any]:
-    """``kept`` with each block that its occurrences take to 0 once, at its first place,
-    its other references released here: vLLM 0.23 would queue it once per occurrence."""
+def _once_each(refs: dict[int, int], kept: list[Any]) -> list[Any]:
+    """``kept`` with each block that its occurrences take to 0 (``refs``: its ``ref_cnt``
+    by id) once, at its first place, its other references released here: vLLM 0.23 would
+    queue it once per occurrence."""
     times: dict[int, int] = {}
     for block in kept:
         times[id(block)] = times.get(id(block), 0) + 1
@@ -560,7 +588,7 @@ def _once_each(plan: _Plan, kept: list[Any]) -> list[Any]:
     for block in kept:
         key = id(block)
         count = times[key]
-        if count < 2 or plan.refs.get(key) != count:
+        if count < 2 or refs.get(key) != count:
             once.append(block)
         elif key not in released:
             released.add(key)

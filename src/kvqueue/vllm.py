@@ -126,6 +126,8 @@ class _Installed:
     wrap_foreign: bool
     manager_class: type
     manager_originals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # With the guard off: vLLM's BlockPool methods kvqueue's line correction replaced.
+    corrected: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _installed: _Installed | None = None
@@ -147,9 +149,11 @@ def install(
     ``"repair"`` or None) is passed to every queue built through vLLM's name, unless the
     caller passes its own; None leaves the choice to ``KVQUEUE_ON_MISUSE``, read when each
     queue is built. A pool's guard follows its queue's policy. ``pool_guard=False`` leaves
-    ``BlockPool``'s methods as they are. Calling it again is a no-op, or switches the
-    implementation, the policy or the guard; a switch of twin replaces each guarded method
-    in one step, so no call runs unguarded in between.
+    ``BlockPool``'s methods unguarded; on vLLM 0.23 its ``free_blocks`` is still corrected
+    to queue once a block it is given as many times as it holds references (vLLM queues it
+    once per occurrence, and kvqueue's queue, refusing that, would lose it). Calling it
+    again is a no-op, or switches the implementation, the policy or the guard; a switch of
+    twin replaces each guarded method in one step, so no call runs unguarded in between.
     ``check_version=False`` takes the accepted line whose layout this vLLM has, whatever its
     version says; the layout is always checked. ``wrap_foreign=True`` accepts a queue class
     or pool method that another project patched: the guard wraps that pool method, and
@@ -175,6 +179,8 @@ def install(
             targets = _holders(state.original)
             if pool_guard:
                 _guard(state, screen)
+            else:
+                _correct(state, screen)
             _bind(targets, state.bound)
             _installed = state
         else:
@@ -193,6 +199,7 @@ def install(
                 _guard(state, screen)
             elif not pool_guard and state.pool_originals:
                 _unguard(state)
+                _correct(state, screen)
             state.wrap_foreign = wrap_foreign
             if rebind:
                 state.bound = _queue_name(queue_class, state.bound.block_type, state.policy)
@@ -275,9 +282,10 @@ def _version(vllm: ModuleType) -> str | None:
 
 
 def _guard(state: _Installed, screen: ModuleType) -> None:
-    """The pool guard and the holder audit, ``screen``'s twin, in place of what was there.
-    Both classes are checked before either is changed."""
+    """The pool guard and the holder audit, ``screen``'s twin, in place of what was there
+    (the line correction included). Both classes are checked before either is changed."""
     _originals(state, state.wrap_foreign)
+    state.corrected = {}
     state.pool_originals = _pool_guard.guard(
         state.pool_class, screen, state.policy, wrap_foreign=state.wrap_foreign, line=state.line
     )
@@ -291,6 +299,21 @@ def _guard(state: _Installed, screen: ModuleType) -> None:
     )
 
 
+def _correct(state: _Installed, screen: ModuleType) -> None:
+    """With the guard off, on a line that counts first: its correction
+    (``_pool_guard.CORRECTED``), so that kvqueue's queue loses no block vLLM would keep."""
+    if state.line.counts_first:
+        state.corrected = _pool_guard.guard(
+            state.pool_class,
+            screen,
+            state.policy,
+            wrap_foreign=state.wrap_foreign,
+            line=state.line,
+            names=_pool_guard.CORRECTED,
+            correct_only=True,
+        )
+
+
 def _originals(state: _Installed, wrap_foreign: bool) -> None:
     """Raise as the guard would on a patched method of either class; change nothing."""
     _pool_guard.originals(state.pool_class, wrap_foreign=wrap_foreign)
@@ -298,10 +321,11 @@ def _originals(state: _Installed, wrap_foreign: bool) -> None:
 
 
 def _unguard(state: _Installed) -> None:
-    _pool_guard.unguard(state.pool_class, state.pool_originals)
+    _pool_guard.unguard(state.pool_class, state.pool_originals or state.corrected)
     _pool_guard.unguard(state.manager_class, state.manager_originals)
     state.pool_originals = {}
     state.manager_originals = {}
+    state.corrected = {}
 
 
 def _holders(original: type | None) -> list[ModuleType]:
@@ -331,7 +355,9 @@ def uninstall() -> bool:
     Every ``vllm.*`` module whose name holds a kvqueue stand-in gets vLLM's class back,
     whenever it was imported. A name or method that someone else rebound after
     :func:`install` is left as they set it. Pools built while kvqueue was installed keep
-    their kvqueue queues.
+    their kvqueue queues (and the policy they were built with), unguarded and, on vLLM
+    0.23, uncorrected: a block freed there as many times as it holds references in one
+    call is refused by the queue after vLLM released it, and lost. Build them again.
     """
     global _installed
     with _lock:
