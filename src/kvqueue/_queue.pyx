@@ -21,63 +21,29 @@ twins share is in neutral modules (``_core``: argument parsing, which blocks and
 pools a queue takes, the count validator; ``_errors``: exceptions and messages);
 this module imports nothing of the pure one.
 
-Both twins define these methods, in this order, with the same parameters
-(C's types aside); ``tests/test_surface.py`` reads both files to check it::
+What only this twin has, and why: it reads and writes the link slots by offset
+(``_slots.h``, through the slot lookup of ``_member.h`` that the pool guard's
+``_screen.h`` shares), so every link it follows is type-checked first, since a raw
+read of whatever a caller assigned would crash where the pure twin's attribute
+access raises by itself. It keeps the count as a C length plus an offset and hands
+Python a cached int through a member of its own, so ``num_free_blocks`` is set and
+deleted through ``__setattr__`` / ``__delattr__`` (the pure twin has a property).
+A queue made by ``__new__`` alone refuses every method with RuntimeError, where the
+pure twin fails at its first read with AttributeError, so that its valid path pays
+for no check. Its lazy cursor is a small iterator class, the pure twin's a generator.
 
-    __init__ (the compiled one parses with _core.constructor_arguments), _build,
-    popleft, popleft_n, remove, _misused_remove, append, _misused_append,
-    append_n, prepend_n, _link, _checked_run, _link_failed, _link_repaired,
-    _screen, _misuse, get_all_free_blocks, iter_blocks_after, __iter__,
-    __len__, __reduce_ex__, __repr__
+What only the pure twin has: it refuses subclasses in ``__init_subclass__`` (the
+compiled type is final), and writes the list inside ``try`` blocks whose handlers
+undo the call, for exceptions raised between its bytecodes; none arrive inside a
+compiled call.
 
-Only the compiled twin has these, for what C does not give for free::
-
-    _count_obj, _assigned_count_obj, _set_count    the count's int (pure: int arithmetic)
-    __dealloc__, __setattr__, __delattr__          the num_free_blocks member (pure: a property)
-    _check                                         a queue made by __new__ alone
-    _read, _follow, _unset                         slot reads (pure: attribute access)
-    _takes, _refuse_takes                          popleft_n's count checks (pure: inline)
-    _insert_one, _in_pool, _is_fresh               the one-block batch (pure: inline in append_n)
-    _link_run                                      _link's loop, out of line (pure: in _link)
-    _unlink_run                                    _link's undo (pure: _undo)
-    _BlockIterator                                 iter_blocks_after's cursor (pure: _iter_after)
-
-Only the pure twin has these::
-
-    __init_subclass__      refuses subclasses, as the compiled type is final
-    _undo                  puts every link back, for exceptions raised between bytecodes
-    _iter_after            the generator behind iter_blocks_after
-
-The deliberate differences, and why:
-
-- Every link followed here is type-checked first (``_follow``): a raw read of
-  whatever a caller assigned would crash; the pure twin's attribute access
-  raises by itself.
-- No Python code runs between a method's reads of the list and its last write
-  (old values are swapped out, the result list allocated first), so a
-  collection's finalizers can call the queue at any point and find it whole.
-  The pure twin holds the same rule by order: it allocates (the result list,
-  the batch's iterator) and checks a subclass's blocks before it reads the
-  list.
-- The pure twin writes the list inside ``try`` blocks whose handlers undo the
-  call, for exceptions raised asynchronously between its bytecodes; here no
-  bytecode runs inside a call, so none arrive.
-- ``popleft_n`` walks the list before it unlinks (its result list is sized
-  first); the pure twin unlinks as it walks, as vLLM's does, and relinks on
-  failure.
-- The count is the true length plus an offset, and the int Python reads: an
-  assigned count may exceed Py_ssize_t as the pure twin's int may.
-- A queue made by ``__new__`` alone refuses every method here with
-  RuntimeError (``_check``); the pure twin fails at its first read of an unset
-  slot, with AttributeError, so that its valid path pays for no check.
-- A bound queue checks its pool in a pass of its own (``_checked_run``), as
-  the pure twin's ``_link`` does (where that pass also takes a batch that holds
-  a subclass's block, whose check runs Python code), so that the unbound
-  linking loop is unchanged; the pure ``append_n``, vLLM's free path, checks it
-  in its loop instead (a bound queue's class has ``pool`` as a plain slot, read
-  with no Python code run). The pure pass finds the failing block itself; the
-  compiled one's loop links up to where the pass stopped and fails there or
-  earlier. All stop at the same block.
+Both let no Python code run between a method's first read of the list and its last
+write, so that finalizers called mid-update find it whole: here old values are
+swapped out and results allocated first, there allocations and a subclass's checks
+come before the reads. The order of work differs with it: ``popleft_n`` here walks
+before it unlinks, the pure one unlinks as it walks (as vLLM's does) and relinks on
+failure; a bound queue here checks its pool in a pass of its own, the pure
+``append_n`` in its loop. Both stop at the same block and raise the same error.
 """
 
 cimport cython
