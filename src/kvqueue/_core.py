@@ -16,7 +16,7 @@ from operator import index
 from types import MemberDescriptorType
 from typing import Any, TypeVar
 
-from . import _errors
+from . import _errors, _policy
 from ._block import check_block_type, is_block, lookup
 
 __all__ = (
@@ -103,9 +103,9 @@ def count(value: object) -> int:
 
 def link_misuse(
     block: object, batch: Sequence[object], position: int, linked: bool, sentinels: tuple[Any, Any]
-) -> _errors.QueueMisuse:
+) -> _policy.QueueMisuse:
     """Which misuse stopped a batch at ``batch[position]`` (a block of the queue's
-    class): one of ``_errors.QUEUE_MISUSES``. ``linked``: the block has a link now,
+    class): one of ``_policy.QUEUE_MISUSES``. ``linked``: the block has a link now,
     with this call's own links undone."""
     if block is sentinels[0] or block is sentinels[1]:
         return "sentinel"

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 
-from . import _errors
+from . import _policy, _render
 
 __all__ = ("forward_to_vllm", "logger", "queue_repaired", "repaired")
 
@@ -51,15 +51,15 @@ def repaired(message: str, *args: object) -> None:
         logger.warning(message + "%s", *args, note)
 
 
-def queue_repaired(method: str, block: object, kind: _errors.QueueMisuse, count: int) -> None:
+def queue_repaired(method: str, block: object, kind: _policy.QueueMisuse, count: int) -> None:
     """A queue's repair of ``kind`` (``count``: the queue's total of it) on ``block``."""
     repaired(
         "%s() repaired a misuse (%s #%d on this queue): skipped %s: %s",
         method,
         kind,
         count,
-        _errors.describe(block),
-        _errors.REPAIRED[kind],
+        _render.describe(block),
+        _policy.REPAIRED[kind],
     )
 
 

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from typing import Any
 
-from . import _env, _errors, _log, _report
+from . import _env, _log, _policy, _report
 
 __all__ = ("FINDINGS", "INFO", "REFUSALS", "REPAIRS", "combinations", "start")
 
@@ -56,7 +56,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "unpin_blocks": ("double_free", "held_free"),
     "touch": ("negative_ref",),
     "get_new_blocks": ("held_free", "negative_ref"),
-    _AUDIT: _errors.AUDIT_MISUSES,
+    _AUDIT: _policy.AUDIT_MISUSES,
 }
 _INFO_LABELS = (
     "engine",
@@ -88,7 +88,7 @@ def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
         for kind in _KINDS[method]
     ]
     if audit:
-        found += [("found", _AUDIT, kind) for kind in _errors.AUDIT_MISUSES]
+        found += [("found", _AUDIT, kind) for kind in _policy.AUDIT_MISUSES]
     return found
 
 

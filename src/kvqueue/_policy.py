@@ -4,22 +4,71 @@
 it was. ``"repair"`` applies the one safe repair that some misuses have (skip
 a block that is linked already, a duplicate, a sentinel; ignore the removal of
 a block that is not in the queue), links the rest of the call, counts the
-repair on the queue and logs it (``_log``).
+repair on the queue and logs it (``_log``). The misuses each repairs are named
+here too, with what the repair did.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from . import _env
 
-__all__ = ("ENV", "MisusePolicy", "resolve")
+__all__ = (
+    "AUDIT_MISUSES",
+    "ENV",
+    "POOL_MISUSES",
+    "QUEUE_MISUSES",
+    "REPAIRED",
+    "AuditMisuse",
+    "MisusePolicy",
+    "PoolMisuse",
+    "QueueMisuse",
+    "resolve",
+)
 
 MisusePolicy = Literal["raise", "repair"]
 
 #: The environment variable read when a queue is built with ``on_misuse=None``
 #: (kvqueue.vllm reads it by this name).
 ENV = _env.MISUSE_POLICY
+
+#: The misuses a queue repairs under ``"repair"`` (and refuses under ``"raise"``).
+QueueMisuse = Literal["duplicate", "linked", "sentinel", "not_linked", "other_pool"]
+#: What the holder audit finds at a scheduler step (and repairs under ``"repair"``): a
+#: block a live request lists that is in the free list; one listed twice by one request
+#: in one manager; one listed by two managers; one listed more times than its ``ref_cnt``.
+AuditMisuse = Literal["listed_free", "listed_twice", "two_managers", "under_counted"]
+#: The misuses the pool guard repairs, the holder audit's included.
+PoolMisuse = Literal[
+    "double_free",
+    "negative_ref",
+    "held_free",
+    "listed_free",
+    "listed_twice",
+    "two_managers",
+    "under_counted",
+]
+QUEUE_MISUSES: tuple[QueueMisuse, ...] = get_args(QueueMisuse)
+POOL_MISUSES: tuple[PoolMisuse, ...] = get_args(PoolMisuse)
+AUDIT_MISUSES: tuple[AuditMisuse, ...] = get_args(AuditMisuse)
+
+#: What the repair of each misuse did (its log line says it).
+REPAIRED: dict[QueueMisuse | PoolMisuse, str] = {
+    "duplicate": "it appears more than once in the batch; linked once",
+    "linked": "it is already linked into a free list; left where it is",
+    "sentinel": "it is a sentinel of this queue; left where it is",
+    "not_linked": "it is not linked; nothing removed",
+    "other_pool": "it belongs to another pool's queue; left where it is",
+    "double_free": "it was given more times than it holds references; the excess dropped",
+    "negative_ref": "its ref_cnt was negative (an unguarded double free); taken as 0",
+    "held_free": "it was in the free list while held; unlinked instead of handed out",
+    "listed_free": "a live request lists it, but it was in the free list",
+    "listed_twice": "one request lists it twice in one manager",
+    "two_managers": "two managers list it",
+    "under_counted": "it is listed more times than its ref_cnt",
+}
+
 
 _POLICIES: dict[str, MisusePolicy] = {"raise": "raise", "repair": "repair"}
 

@@ -46,7 +46,7 @@ from operator import index
 from types import ModuleType
 from typing import Any
 
-from . import _block, _errors, _foreign, _policy, _report, _rules
+from . import _block, _foreign, _policy, _render, _report, _rules
 from ._report import Note as _Note
 from ._report import call as _call
 from ._report import log_notes as _log_notes
@@ -488,7 +488,7 @@ def _count(pool: Any, method: str, block: Any) -> int:
         return int.__index__(value)
     raise TypeError(
         f"{_call(method)} was given block {_named(block)} whose ref_cnt is "
-        f"{_errors.describe(value)}, not an integer; nothing was changed. {_where(pool)}"
+        f"{_render.describe(value)}, not an integer; nothing was changed. {_where(pool)}"
     )
 
 
@@ -532,12 +532,12 @@ def _raise_double_free(pool: Any, method: str, plan: _Plan) -> None:
     key = id(block)
     refs = plan.refs[key]
     if key in plan.in_list:
-        what = f"which is in the free list already (ref_cnt {_errors.number(refs)})"
+        what = f"which is in the free list already (ref_cnt {_render.number(refs)})"
     else:
-        what = f"while it holds {_errors.plural(refs, 'reference')}"
+        what = f"while it holds {_render.plural(refs, 'reference')}"
     _report.count_refusal(method, "double_free" if plan.dropped else "held_free")
     raise ValueError(
-        f"{_call(method)} was given block {_named(block)} {_errors.times(plan.given[key])} "
+        f"{_call(method)} was given block {_named(block)} {_render.times(plan.given[key])} "
         f"{what}: a double free; nothing was freed. {_where(pool)}"
     )
 
@@ -559,8 +559,8 @@ def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
         whose = "no pool" if owner is None else f"another pool (BlockPool at {id(owner):#x})"
         raise ValueError(
             f"{_call(method)} was given block {_named(block)}, a block of {whose}, which it "
-            f"would free into this pool's queue (ref_cnt {_errors.number(refs)}, given "
-            f"{_errors.times(given)}); that queue takes only this pool's blocks: nothing was "
+            f"would free into this pool's queue (ref_cnt {_render.number(refs)}, given "
+            f"{_render.times(given)}); that queue takes only this pool's blocks: nothing was "
             f"freed. {_where(pool)}"
         )
 
@@ -624,7 +624,7 @@ def _touch(
         _report.count_refusal("touch", "negative_ref")
         raise ValueError(
             f"{_call('touch')} was given block {_named(block)} whose ref_cnt is "
-            f"{_errors.number(_count(pool, 'touch', block))}: it was freed more times than "
+            f"{_render.number(_count(pool, 'touch', block))}: it was freed more times than "
             f"it was referenced (a double free), and a touch would count it free and held "
             f"at once; nothing was touched. {_where(pool)}"
         )
@@ -674,7 +674,7 @@ def _alloc(
         _report.count_refusal("get_new_blocks", "held_free" if refs > 0 else "negative_ref")
         raise ValueError(
             f"{_call('get_new_blocks')} would hand out block {_named(block)}, which "
-            f"is in the free list with ref_cnt {_errors.number(refs)} (0 for a free block): a "
+            f"is in the free list with ref_cnt {_render.number(refs)} (0 for a free block): a "
             f"double free made it both free and held; nothing was allocated. {_where(pool)}"
         )
     notes: list[_Note] = []
@@ -690,7 +690,7 @@ def _alloc(
             _log_notes(notes)
             raise RuntimeError(
                 f"{_call('get_new_blocks')}: held block {_named(block)} (ref_cnt "
-                f"{_errors.number(refs)}) is in the free list, and the queue cannot unlink "
+                f"{_render.number(refs)}) is in the free list, and the queue cannot unlink "
                 f"it: were its pool or links assigned outside the queue? Nothing was "
                 f"allocated. {_where(pool)}"
             )

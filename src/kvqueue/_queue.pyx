@@ -128,10 +128,10 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     # Py_ssize_t, as the pure twin's int may. _set_count keeps the two in step.
     # The previous count's int is kept as a spare: a queue's count mostly swings
     # between two values (alloc, free, alloc, ...), and reusing the int saves an
-    # allocation. Without it (measured on 177ae23, bench/run.py --baseline
-    # --cpu-time) popleft + append took 1.84 [1.73, 1.86] times as long @2,048
-    # blocks, popleft_n(1) + append_n 1.45 [1.35, 1.49], remove + append 1.67
-    # [1.62, 1.70]. Both ints are owned references held as C pointers: Cython gives
+    # allocation, which the one-block cycles pay for without it, measured side by
+    # side (why: see bench/README.md, 'Microbenchmark', and the run in its lab
+    # notes, 'What the compiled twin's complications buy'). Both ints are owned
+    # references held as C pointers: Cython gives
     # no offset of an object attribute, and the member needs _num_obj's; an int
     # cannot be part of a cycle, so the collector need not see them.
     cdef Py_ssize_t _len
@@ -207,7 +207,7 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         self._offset = 0
         self._set_count(0, 0)
         self._repair = on_misuse == "repair"
-        self._repairs = dict.fromkeys(_errors.QUEUE_MISUSES, 0)
+        self._repairs = dict.fromkeys(_policy.QUEUE_MISUSES, 0)
         self._tp = tp
         # Python code ran since `n` was read (the block class, its constructor,
         # finalizers), and `seq` may be the caller's own list: read it again.
@@ -458,7 +458,8 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
             self._misused_append(block)
             return
         # _insert_one's body, written out: gcc stopped inlining that helper here
-        # once the module grew, and the call cost this cycle 3% (callgrind).
+        # once the module grew, and the call showed in this cycle's cost under
+        # callgrind (why: see bench/README.md, 'Microbenchmark').
         num_obj = self._count_obj(self._len + 1)
         kvq_set(b, self._prev, <PyObject *>last_block)
         kvq_set(b, self._next, <PyObject *>tail)

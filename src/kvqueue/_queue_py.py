@@ -129,7 +129,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._offset = 0
         self._on_misuse = policy
         self._pool = pool
-        self._repairs: dict[str, int] = dict.fromkeys(_errors.QUEUE_MISUSES, 0)
+        self._repairs: dict[str, int] = dict.fromkeys(_policy.QUEUE_MISUSES, 0)
         self._tail: B = tail
         # Last: a queue with a head is built (a call on it from the constructor
         # above found no head and failed).
@@ -578,14 +578,14 @@ class FreeKVCacheBlockQueue(Generic[B]):
 
     def _screen(
         self, method: str, blocks: Sequence[B]
-    ) -> tuple[list[B], list[tuple[B, _errors.QueueMisuse]]]:
+    ) -> tuple[list[B], list[tuple[B, _policy.QueueMisuse]]]:
         """The blocks of a batch that can be linked, and the rest with their misuse."""
         block_type = self._block_type
         pool = self._pool
         sentinels = (self._head, self._tail)
         seen: set[int] = set()
         good: list[B] = []
-        skipped: list[tuple[B, _errors.QueueMisuse]] = []
+        skipped: list[tuple[B, _policy.QueueMisuse]] = []
         for block in blocks:
             if type(block) is not block_type and not is_block(block, block_type):
                 raise _errors.not_a_block(block, block_type, f"{method}()")
@@ -602,7 +602,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
                 good.append(block)
         return good, skipped
 
-    def _misuse(self, method: str, block: B, kind: _errors.QueueMisuse) -> None:
+    def _misuse(self, method: str, block: B, kind: _policy.QueueMisuse) -> None:
         """Raise under ``"raise"``; else count and report the repair. The message
         is made only here, when it is needed."""
         if self._on_misuse != "repair":

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _errors, _log
+from . import _log, _policy, _render
 
 __all__ = (
     "audit_findings",
@@ -42,7 +42,7 @@ __all__ = (
 _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 # The holder audit's findings in this process, by kind, whatever the policy did with them,
 # and the steps it audited.
-_findings: dict[str, int] = dict.fromkeys(_errors.AUDIT_MISUSES, 0)
+_findings: dict[str, int] = dict.fromkeys(_policy.AUDIT_MISUSES, 0)
 _audited = [0]
 # Every refusal (under "raise") and repair of the guard and its audit in this process, and
 # every finding of the audit, by (outcome, method, kind); each count is handed to the one
@@ -61,7 +61,7 @@ _PACKAGE = os.path.dirname(__file__)
 
 def pool_repairs(pool: object) -> dict[str, int]:
     """The repairs the guard made on ``pool``, by kind (all 0 for a pool it never repaired)."""
-    return dict(_repairs.get(pool) or dict.fromkeys(_errors.POOL_MISUSES, 0))
+    return dict(_repairs.get(pool) or dict.fromkeys(_policy.POOL_MISUSES, 0))
 
 
 def audit_findings() -> dict[str, int]:
@@ -78,7 +78,7 @@ def count_audit() -> None:
     _audited[0] += 1
 
 
-def count_finding(kind: _errors.AuditMisuse) -> None:
+def count_finding(kind: _policy.AuditMisuse) -> None:
     _findings[kind] += 1
     _event("found", "new_step_starts", kind)
 
@@ -111,19 +111,19 @@ Note = tuple[Any, ...]
 
 
 def repaired(
-    pool: Any, method: str, block: Any, kind: _errors.PoolMisuse, notes: list[Note]
+    pool: Any, method: str, block: Any, kind: _policy.PoolMisuse, notes: list[Note]
 ) -> int:
     """Count a repair of ``kind`` on ``pool``, and note its log line; the pool's count of it."""
     count = count_repair(pool, kind, method)
-    notes.append((call(method), kind, count, named(block), _errors.REPAIRED[kind], pool))
+    notes.append((call(method), kind, count, named(block), _policy.REPAIRED[kind], pool))
     return count
 
 
-def count_repair(pool: Any, kind: _errors.PoolMisuse, method: str) -> int:
+def count_repair(pool: Any, kind: _policy.PoolMisuse, method: str) -> int:
     """Count a repair of ``kind`` by ``method``'s guard on ``pool``; the pool's count of it."""
     counts = _repairs.get(pool)
     if counts is None:
-        counts = _repairs[pool] = dict.fromkeys(_errors.POOL_MISUSES, 0)
+        counts = _repairs[pool] = dict.fromkeys(_policy.POOL_MISUSES, 0)
     counts[kind] += 1
     _event("repaired", method, kind)
     return counts[kind]
@@ -177,8 +177,8 @@ def last_freed(block: object) -> str | None:
 def named(block: Any) -> str:
     """A block for a message: its ``block_id`` from its slot, else as ``describe`` has it;
     no code of the block's runs."""
-    found = _errors.block_id(block)
-    return _errors.describe(block) if found is None else _errors.number(found)
+    found = _render.block_id(block)
+    return _render.describe(block) if found is None else _render.number(found)
 
 
 def call(method: str) -> str:

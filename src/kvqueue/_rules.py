@@ -33,7 +33,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import _env, _errors, _log, _report
+from . import _env, _errors, _log, _render, _report
 
 __all__ = ("audit_every", "audit_holders")
 
@@ -116,7 +116,7 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         if kind == "bad_count":
             raise TypeError(
                 f"kvqueue's holder audit: block {_report.named(block)} has a ref_cnt of "
-                f"{_errors.describe(block.ref_cnt)}, not an integer; nothing was changed. "
+                f"{_render.describe(block.ref_cnt)}, not an integer; nothing was changed. "
                 f"{_report.where(pool)}"
             )
     holders = _holders(managers, {id(block) for _, block in found})
@@ -143,7 +143,7 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
             steps.append("taken out of the free list")
         if refs < len(listed):
             block.ref_cnt = len(listed)
-            steps.append(f"ref_cnt {_errors.number(refs)} -> {len(listed)}")
+            steps.append(f"ref_cnt {_render.number(refs)} -> {len(listed)}")
         count = _report.count_repair(pool, kind, "new_step_starts")
         done = ", ".join(steps) or "its ref_cnt covers its holders already; counted only"
         lines.append((kind, count, _report.named(block), what, done))
@@ -175,7 +175,7 @@ def _holders(managers: list[Any], wanted: set[int]) -> dict[int, list[tuple[str,
 
 
 def _what(kind: str, block: Any, listed: list[tuple[str, Any]]) -> str:
-    refs = _errors.number(block.ref_cnt)
+    refs = _render.number(block.ref_cnt)
     who = _who(listed)
     if kind == "listed_free":
         return f"is in the free list (ref_cnt {refs}) while {who} lists it"
@@ -193,7 +193,7 @@ def _who(listed: list[tuple[str, Any]]) -> str:
 
 
 def _request(request: Any) -> str:
-    return str.__repr__(request[:80]) if type(request) is str else _errors.describe(request)
+    return str.__repr__(request[:80]) if type(request) is str else _render.describe(request)
 
 
 def _released(block: Any) -> str:
