@@ -11,11 +11,11 @@ Deliberate differences, none visible in what a screen returns or raises:
   and whenever a block's type is not the one learned.
 * ``first_excess`` keys the references it has counted in a small open-addressing table
   of block addresses instead of a dict of ``id()``s (no int object per block, one
-  allocation per call): with the dict (measured on 177ae23, bench/screens.py --baseline
-  --cpu-time) it took 2.57 [2.48, 2.68] times as long on a batch of 1 block, 7.51 [7.20,
-  7.93] on 16, 9.05 [8.93, 9.44] on 128. It holds a reference to every block in that
-  table, so code a block's attributes run cannot free one and put another object at its
-  address.
+  allocation per call): with the dict it took several times as long, measured side by
+  side (why: see bench/README.md, 'The pool guard's screen', and the run in its lab
+  notes, 'What the compiled twin's complications buy'). It holds a reference to every
+  block in that table, so code a block's attributes run cannot free one and put another
+  object at its address.
 """
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Realloc
@@ -50,8 +50,9 @@ NO_POOL = 4
 HOLDER_FAULTS = ("listed_free", "listed_twice", "two_managers", "under_counted", "bad_count")
 
 # The same flags as C constants, for the loop: a module global read there is a dict lookup
-# and a conversion per use, code that made first_excess 7-8% slower once a third one was
-# added (bench-screens against a2b730f, 16 and 128 blocks).
+# and a conversion per use, code that made first_excess measurably slower once a third one
+# was added (bench-screens against a2b730f; why: see bench/README.md, 'The pool guard's
+# screen').
 cdef enum:
     _OTHER_POOLS = 1
     _REPEATS = 2
