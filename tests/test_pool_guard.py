@@ -18,7 +18,8 @@ from typing import Any, cast
 import pytest
 
 from kvqueue import KVCacheBlock, _pool_guard
-from kvqueue._vllm_lines import LINES, Line, VLLMLayoutError
+from kvqueue._errors import VLLMLayoutError
+from kvqueue._vllm_lines import LINES, Line
 
 from isolated.guard_cases import CASES as ISOLATED_CASES
 from support import vllm_stubs

@@ -10,12 +10,113 @@ from __future__ import annotations
 
 from ._block import is_subtype, layout_change
 from ._policy import QueueMisuse
-from ._render import describe, number, type_name, vllm_repr
+from ._render import describe, number, plural, times, type_name, vllm_repr
 
 
 class HolderAuditError(RuntimeError):
     """The holder audit found a block that a live request lists in the free list, or
     listed more times than it is held, before a scheduler step handed anything out."""
+
+
+class VLLMLayoutError(RuntimeError):
+    """The installed vLLM is not one kvqueue knows how to patch; nothing was changed."""
+
+
+# The pool guard's and the holder audit's messages. ``call``, ``block`` and ``where`` come
+# rendered (``_report.call``, ``named``, ``where``): the method called, the block, and the
+# pool with the caller's frame.
+
+
+def double_free(
+    call: str, block: str, given: int, refs: int, in_list: bool, where: str
+) -> ValueError:
+    if in_list:
+        what = f"which is in the free list already (ref_cnt {number(refs)})"
+    else:
+        what = f"while it holds {plural(refs, 'reference')}"
+    return ValueError(
+        f"{call} was given block {block} {times(given)} {what}: a double free; nothing was "
+        f"freed. {where}"
+    )
+
+
+def stray_block(call: str, block: str, whose: str, refs: int, given: int, where: str) -> ValueError:
+    return ValueError(
+        f"{call} was given block {block}, a block of {whose}, which it would free into this "
+        f"pool's queue (ref_cnt {number(refs)}, given {times(given)}); that queue takes only "
+        f"this pool's blocks: nothing was freed. {where}"
+    )
+
+
+def ref_not_an_integer(call: str, block: str, value: object, where: str) -> TypeError:
+    return TypeError(
+        f"{call} was given block {block} whose ref_cnt is {describe(value)}, not an integer; "
+        f"nothing was changed. {where}"
+    )
+
+
+def touch_negative(call: str, block: str, refs: int, where: str) -> ValueError:
+    return ValueError(
+        f"{call} was given block {block} whose ref_cnt is {number(refs)}: it was freed more "
+        f"times than it was referenced (a double free), and a touch would count it free and "
+        f"held at once; nothing was touched. {where}"
+    )
+
+
+def held_handed_out(call: str, block: str, refs: int, where: str) -> ValueError:
+    return ValueError(
+        f"{call} would hand out block {block}, which is in the free list with ref_cnt "
+        f"{number(refs)} (0 for a free block): a double free made it both free and held; "
+        f"nothing was allocated. {where}"
+    )
+
+
+def held_stuck(call: str, block: str, refs: int, where: str) -> RuntimeError:
+    return RuntimeError(
+        f"{call}: held block {block} (ref_cnt {number(refs)}) is in the free list, and the "
+        f"queue cannot unlink it: were its pool or links assigned outside the queue? Nothing "
+        f"was allocated. {where}"
+    )
+
+
+def audit_bad_count(block: str, value: object, where: str) -> TypeError:
+    return TypeError(
+        f"kvqueue's holder audit: block {block} has a ref_cnt of {describe(value)}, not an "
+        f"integer; nothing was changed. {where}"
+    )
+
+
+def audit_finding(block: str, what: str, released: str, where: str) -> HolderAuditError:
+    return HolderAuditError(
+        f"kvqueue's holder audit, before the scheduler step: block {block} {what}; a second "
+        f"request could be handed it. {released}Nothing was changed. {where}"
+    )
+
+
+# kvqueue.vllm's refusals of a vLLM it cannot patch.
+
+
+def foreign_patch(patch: str, wrapped: str) -> VLLMLayoutError:
+    """kvqueue's refusal to install over ``patch`` (``wrapped``: what wrap_foreign does)."""
+    return VLLMLayoutError(
+        f"{patch}; kvqueue would bypass that patch. install(wrap_foreign=True) "
+        f"(KVQUEUE_WRAP_FOREIGN=1) {wrapped}"
+    )
+
+
+def not_this_line(version: str | None, line: str, problem: str) -> VLLMLayoutError:
+    return VLLMLayoutError(f"vLLM {version} is not what kvqueue knows of vLLM {line}: {problem}")
+
+
+def not_accepted(accepted: str, seen: str, newer: str) -> VLLMLayoutError:
+    return VLLMLayoutError(
+        f"kvqueue accepts the vLLM lines whose own suites pass with it ({accepted}), not "
+        f"{seen}{newer}; install(check_version=False) tries the line whose layout this vLLM has"
+    )
+
+
+def no_line_has(version: str | None, problem: str | None) -> VLLMLayoutError:
+    return VLLMLayoutError(f"vLLM {version} has the layout of no accepted line ({problem})")
 
 
 def empty() -> ValueError:

@@ -1,5 +1,6 @@
 """What another project patched in vLLM, found in one place: vLLM's queue class replaced or
-changed, or a ``BlockPool`` method the guard wraps replaced; and kvqueue's refusal of it.
+changed, or a ``BlockPool`` method the guard wraps replaced (``_errors.foreign_patch`` is
+kvqueue's refusal of it).
 
 A guarded pool method is vLLM's own when it was defined in the module of the class that
 holds it, with that class's qualified name: its globals are that module's
@@ -12,9 +13,7 @@ from __future__ import annotations
 import sys
 from types import FunctionType
 
-from ._vllm_lines import VLLMLayoutError
-
-__all__ = ("method_patch", "queue_patch", "refused")
+__all__ = ("METHOD_WRAPPED", "QUEUE_WRAPPED", "method_patch", "queue_patch")
 
 # What install(wrap_foreign=True) then does, by what was patched.
 QUEUE_WRAPPED = "replaces it with kvqueue's queue anyway"
@@ -47,14 +46,6 @@ def method_patch(pool_class: type, name: str, found: object) -> str | None:
     ):
         return None
     return _replaced(f"{pool_class.__module__}.{own} is not vLLM's own", found)
-
-
-def refused(patch: str, wrapped: str) -> VLLMLayoutError:
-    """kvqueue's refusal to install over ``patch`` (``wrapped``: what wrap_foreign does)."""
-    return VLLMLayoutError(
-        f"{patch}; kvqueue would bypass that patch. install(wrap_foreign=True) "
-        f"(KVQUEUE_WRAP_FOREIGN=1) {wrapped}"
-    )
 
 
 def _replaced(what: str, found: object) -> str:

@@ -46,7 +46,7 @@ from operator import index
 from types import ModuleType
 from typing import Any
 
-from . import _block, _foreign, _policy, _render, _report, _rules
+from . import _block, _errors, _foreign, _policy, _report, _rules
 from ._report import Note as _Note
 from ._report import call as _call
 from ._report import log_notes as _log_notes
@@ -169,7 +169,7 @@ def originals(
         elif not wrap_foreign:
             patch = _foreign.method_patch(pool_class, name, found)
             if patch is not None:
-                raise _foreign.refused(patch, _foreign.METHOD_WRAPPED)
+                raise _errors.foreign_patch(patch, _foreign.METHOD_WRAPPED)
         found_methods[name] = found
     return found_methods
 
@@ -486,10 +486,7 @@ def _count(pool: Any, method: str, block: Any) -> int:
         return value
     if _block.is_subtype(type(value), int):
         return int.__index__(value)
-    raise TypeError(
-        f"{_call(method)} was given block {_named(block)} whose ref_cnt is "
-        f"{_render.describe(value)}, not an integer; nothing was changed. {_where(pool)}"
-    )
+    raise _errors.ref_not_an_integer(_call(method), _named(block), value, _where(pool))
 
 
 def _free(
@@ -530,15 +527,14 @@ def _free(
 def _raise_double_free(pool: Any, method: str, plan: _Plan) -> None:
     block = (plan.dropped + plan.linked)[0]
     key = id(block)
-    refs = plan.refs[key]
-    if key in plan.in_list:
-        what = f"which is in the free list already (ref_cnt {_render.number(refs)})"
-    else:
-        what = f"while it holds {_render.plural(refs, 'reference')}"
     _report.count_refusal(method, "double_free" if plan.dropped else "held_free")
-    raise ValueError(
-        f"{_call(method)} was given block {_named(block)} {_render.times(plan.given[key])} "
-        f"{what}: a double free; nothing was freed. {_where(pool)}"
+    raise _errors.double_free(
+        _call(method),
+        _named(block),
+        plan.given[key],
+        plan.refs[key],
+        key in plan.in_list,
+        _where(pool),
     )
 
 
@@ -557,12 +553,7 @@ def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
         if type(owner) is weakref.ref:  # vLLM 0.34+: the pool it refers to, if alive
             owner = owner()
         whose = "no pool" if owner is None else f"another pool (BlockPool at {id(owner):#x})"
-        raise ValueError(
-            f"{_call(method)} was given block {_named(block)}, a block of {whose}, which it "
-            f"would free into this pool's queue (ref_cnt {_render.number(refs)}, given "
-            f"{_render.times(given)}); that queue takes only this pool's blocks: nothing was "
-            f"freed. {_where(pool)}"
-        )
+        raise _errors.stray_block(_call(method), _named(block), whose, refs, given, _where(pool))
 
 
 def _screen_other(owner: Any, group: list[Any], line: Any) -> None:
@@ -622,11 +613,8 @@ def _touch(
     if negative and made.policy(pool) == "raise":
         block = negative[0]
         _report.count_refusal("touch", "negative_ref")
-        raise ValueError(
-            f"{_call('touch')} was given block {_named(block)} whose ref_cnt is "
-            f"{_render.number(_count(pool, 'touch', block))}: it was freed more times than "
-            f"it was referenced (a double free), and a touch would count it free and held "
-            f"at once; nothing was touched. {_where(pool)}"
+        raise _errors.touch_negative(
+            _call("touch"), _named(block), _count(pool, "touch", block), _where(pool)
         )
     notes: list[_Note] = []
     for block in negative:
@@ -672,11 +660,7 @@ def _alloc(
     if made.policy(pool) == "raise":
         block, refs = bad[0]
         _report.count_refusal("get_new_blocks", "held_free" if refs > 0 else "negative_ref")
-        raise ValueError(
-            f"{_call('get_new_blocks')} would hand out block {_named(block)}, which "
-            f"is in the free list with ref_cnt {_render.number(refs)} (0 for a free block): a "
-            f"double free made it both free and held; nothing was allocated. {_where(pool)}"
-        )
+        raise _errors.held_handed_out(_call("get_new_blocks"), _named(block), refs, _where(pool))
     notes: list[_Note] = []
     for block, refs in bad:
         if refs < 0:
@@ -688,11 +672,6 @@ def _alloc(
             # The queue would not take it out (its pool or links were reassigned while it
             # was linked): handed out, it would have two holders.
             _log_notes(notes)
-            raise RuntimeError(
-                f"{_call('get_new_blocks')}: held block {_named(block)} (ref_cnt "
-                f"{_render.number(refs)}) is in the free list, and the queue cannot unlink "
-                f"it: were its pool or links assigned outside the queue? Nothing was "
-                f"allocated. {_where(pool)}"
-            )
+            raise _errors.held_stuck(_call("get_new_blocks"), _named(block), refs, _where(pool))
         _repaired(pool, "get_new_blocks", block, "held_free", notes)
     return _then_log(notes, original, pool, num_blocks, *args, **kwargs)

@@ -114,22 +114,18 @@ def audit_holders(
 def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str) -> None:
     for kind, block in found:
         if kind == "bad_count":
-            raise TypeError(
-                f"kvqueue's holder audit: block {_report.named(block)} has a ref_cnt of "
-                f"{_render.describe(block.ref_cnt)}, not an integer; nothing was changed. "
-                f"{_report.where(pool)}"
-            )
+            raise _errors.audit_bad_count(_report.named(block), block.ref_cnt, _report.where(pool))
     holders = _holders(managers, {id(block) for _, block in found})
     for kind, _block in found:
         _report.count_finding(kind)
     if policy == "raise":
         kind, block = found[0]
         _report.count_refusal("new_step_starts", kind)
-        raise _errors.HolderAuditError(
-            f"kvqueue's holder audit, before the scheduler step: block "
-            f"{_report.named(block)} {_what(kind, block, holders[id(block)])}; a second "
-            f"request could be handed it. {_released(block)}Nothing was changed. "
-            f"{_report.where(pool)}"
+        raise _errors.audit_finding(
+            _report.named(block),
+            _what(kind, block, holders[id(block)]),
+            _released(block),
+            _report.where(pool),
         )
     queue = pool.free_block_queue
     lines = []

@@ -12,10 +12,11 @@ import dataclasses
 import inspect
 from typing import Any
 
+from . import _errors
+
 __all__ = (
     "LINES",
     "Line",
-    "VLLMLayoutError",
     "accepted",
     "find",
     "line_of",
@@ -143,10 +144,6 @@ LINES: tuple[Line, ...] = (
 )
 
 
-class VLLMLayoutError(RuntimeError):
-    """The installed vLLM is not one kvqueue knows how to patch; nothing was changed."""
-
-
 def accepted() -> str:
     """The accepted lines for a message: ``0.23, 0.24, ..., 0.33``."""
     return ", ".join(line.name for line in LINES)
@@ -232,7 +229,7 @@ def line_of(
     """The line of the installed vLLM, its classes checked against that line's row.
 
     ``check_version=False`` takes the first line whose row the classes match, whatever
-    the version says. Raises :class:`VLLMLayoutError` naming the accepted lines.
+    the version says. Raises :class:`~kvqueue._errors.VLLMLayoutError` naming the accepted lines.
     """
     line = find(version) if version is not None else None
     if line is not None:
@@ -240,20 +237,14 @@ def line_of(
         if problem is None:
             return line
         if check_version:
-            raise VLLMLayoutError(
-                f"vLLM {version} is not what kvqueue knows of vLLM {line.name}: {problem}"
-            )
+            raise _errors.not_this_line(version, line.name, problem)
     elif check_version:
         seen = "an unknown version" if version is None else f"vLLM {version}"
         minor = parse(version) if version is not None else None
         newer = f": {_newer(version)}" if version and minor and minor > LINES[-1].minor else ""
-        raise VLLMLayoutError(
-            f"kvqueue accepts the vLLM lines whose own suites pass with it ({accepted()}), "
-            f"not {seen}{newer}; install(check_version=False) tries the line whose layout "
-            "this vLLM has"
-        )
+        raise _errors.not_accepted(accepted(), seen, newer)
     for candidate in reversed(LINES):
         if mismatch(candidate, block_class, queue_class, pool_class) is None:
             return candidate
     problem = mismatch(LINES[-1], block_class, queue_class, pool_class)
-    raise VLLMLayoutError(f"vLLM {version} has the layout of no accepted line ({problem})")
+    raise _errors.no_line_has(version, problem)

@@ -11,7 +11,7 @@ import os
 from importlib import metadata
 from typing import Any, Literal
 
-from . import _env, _log, _metrics, _policy, _rules, _vllm_lines
+from . import _env, _errors, _log, _metrics, _policy, _rules
 
 __all__ = ("Plan", "plan", "plugin")
 
@@ -77,7 +77,7 @@ def plan() -> Plan:
     shown = {**settings, "audit_every": every}
     try:
         vllm.check(implementation, wrap_foreign=wrap)
-    except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
+    except (ImportError, _errors.VLLMLayoutError) as exc:
         return Plan("refuse" if strict else "stay_off", str(exc), shown, exc)
     except (Exception, SystemExit) as exc:
         # vLLM's own import failed (a CUDA library missing, a sys.exit): in the plugin vLLM
@@ -127,7 +127,7 @@ def plugin() -> None:
     settings = {k: v for k, v in decided.settings.items() if k != "audit_every"}
     try:
         vllm.install(**settings)
-    except (ImportError, _vllm_lines.VLLMLayoutError) as exc:
+    except (ImportError, _errors.VLLMLayoutError) as exc:
         # Only a vLLM changed between the check and now gets here.
         if os.environ.get(_env.VLLM) != "auto":
             raise

@@ -31,11 +31,11 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _foreign, _log, _policy, _pool_guard, _rules, _twin, _vllm_lines
+from . import _errors, _foreign, _log, _policy, _pool_guard, _rules, _twin, _vllm_lines
 from ._block import check_block_type
-from ._errors import HolderAuditError
+from ._errors import HolderAuditError, VLLMLayoutError
 from ._report import audit_findings, audited_steps, pool_repairs
-from ._vllm_lines import Line, VLLMLayoutError
+from ._vllm_lines import Line
 
 __all__ = (
     "HolderAuditError",
@@ -247,7 +247,7 @@ def _checked(
         raise VLLMLayoutError(f"vLLM's {_NAME} has methods kvqueue's lacks: {', '.join(missing)}")
     foreign = _foreign.queue_patch(original, vars(pool).get(_NAME), _UTILS, _POOL, _NAME)
     if foreign and not wrap_foreign:
-        raise _foreign.refused(foreign, _foreign.QUEUE_WRAPPED)
+        raise _errors.foreign_patch(foreign, _foreign.QUEUE_WRAPPED)
     if foreign:
         _log.logger.warning("kvqueue: %s; kvqueue's queue replaces it (wrap_foreign)", foreign)
     assert isinstance(block_class, type)
