@@ -7,6 +7,7 @@ The real ``Scheduler`` of every line is vllm_tests/test_holder_audit.py's.
 from __future__ import annotations
 
 import random
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
@@ -253,6 +254,25 @@ def test_raise_names_the_block_and_its_holder_and_changes_nothing(
     assert "Pool: BlockPool at" in message
     assert state(pool) == before
     assert _report.audit_findings()["listed_free"] == findings["listed_free"] + 1
+
+
+def test_raise_names_the_guarded_free_that_released_the_block(queue_mod: ModuleType) -> None:
+    """The call that last took the block's count to 0, as the guard saw it: file and line."""
+    with guarded(queue_mod, NEWEST) as cls:
+        pool = make_pool(cls, queue_mod, 8, "raise")
+        manager = manager_of(pool)
+        (table,) = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
+        a = pool.get_new_blocks(2)
+        pool.touch(a[:1])
+        table["A"], table["B"] = list(a), [a[0]]
+        pool.free_blocks([a[0]])
+        line = sys._getframe().f_lineno + 1
+        pool.free_blocks(table.pop("A")[::-1])
+        with pytest.raises(_errors.HolderAuditError) as caught:
+            _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    released = str(caught.value).split("It was last released by a free called from ")[1]
+    site = f"tests/test_holder_audit.py:{line} in test_raise_names_the_guarded_free_that"
+    assert released.split(". ")[0].endswith(site + "_released_the_block")
 
 
 def test_repair_keeps_the_block_with_its_holder(queue_mod: ModuleType, repair_log: Any) -> None:

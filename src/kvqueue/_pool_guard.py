@@ -64,6 +64,8 @@ class PoolPolicy:
 
 
 _MISSING: Any = object()
+# What an adapter hands its first argument to: (pool, first, args, kwargs) -> vLLM's result.
+Rule = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 _namespace = type.__dict__["__dict__"].__get__
 
 
@@ -256,21 +258,33 @@ def _binds(made: _Guard, pool: Any, first: Any, args: tuple[Any, ...], kwargs: A
     return True
 
 
+def _adapter(made: _Guard, line: Any, rule: Rule) -> Callable[..., Any]:
+    """The guard of one method: its first argument bound by position or by the line's name
+    for it, and handed to ``rule`` (the screen, then vLLM's method or the slow path). A call
+    vLLM's method would refuse (no first argument, or it twice) goes to vLLM as it is."""
+    original = made.original
+    parameter = _parameter(line, made.name)
+
+    def guarded(self: Any, first: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if first is _MISSING:
+            first = kwargs.pop(parameter, _MISSING)
+            if first is _MISSING:
+                return original(self, *args, **kwargs)
+        elif kwargs and parameter in kwargs:
+            return original(self, first, *args, **kwargs)
+        return rule(self, first, args, kwargs)
+
+    return _wrapped(made, guarded)
+
+
 def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_excess = made.screen.first_excess
     freed = _report.freed
     own = line.has_pool_field
     weak = line.weak_pool
-    parameter = _parameter(line, made.name)
 
-    def guarded(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
-        if blocks is _MISSING:
-            blocks = kwargs.pop(parameter, _MISSING)
-            if blocks is _MISSING:
-                return original(self, *args, **kwargs)
-        elif kwargs and parameter in kwargs:
-            return original(self, blocks, *args, **kwargs)
+    def free(self: Any, blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # vLLM iterates its argument once; a list made here is what it iterates,
         # so what was screened is what is freed.
         blocks = list(blocks)
@@ -281,27 +295,20 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             return original(self, blocks, *args, **kwargs)
         return _free(made, line, self, blocks, args, kwargs)
 
-    return _wrapped(made, guarded)
+    return _adapter(made, line, free)
 
 
 def _once_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
-    parameter = _parameter(line, made.name)
 
-    def free_blocks(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
-        if blocks is _MISSING:
-            blocks = kwargs.pop(parameter, _MISSING)
-            if blocks is _MISSING:
-                return original(self, *args, **kwargs)
-        elif kwargs and parameter in kwargs:
-            return original(self, blocks, *args, **kwargs)
+    def free_once(self: Any, blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         blocks = list(blocks)
         if made.retired or len({id(block) for block in blocks}) == len(blocks):
             return original(self, blocks, *args, **kwargs)
         refs = {id(b): b.ref_cnt for b in blocks if type(b.ref_cnt) is int and not b.is_null}
         return original(self, _rules.once_each(refs, blocks), *args, **kwargs)
 
-    return _wrapped(made, free_blocks)
+    return _adapter(made, line, free_once)
 
 
 def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
@@ -309,36 +316,22 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     first_negative = made.screen.first_negative
     own = line.has_pool_field
     weak = line.weak_pool
-    parameter = _parameter(line, made.name)
 
-    def touch(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
-        if blocks is _MISSING:
-            blocks = kwargs.pop(parameter, _MISSING)
-            if blocks is _MISSING:
-                return original(self, *args, **kwargs)
-        elif kwargs and parameter in kwargs:
-            return original(self, blocks, *args, **kwargs)
+    def touch(self: Any, blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         blocks = list(blocks)
         i = first_negative(blocks, self._weak_self if weak else self if own else None)
         if i < 0:
             return original(self, blocks, *args, **kwargs)
         return _touch(made, line, self, blocks, i, args, kwargs)
 
-    return _wrapped(made, touch)
+    return _adapter(made, line, touch)
 
 
 def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_held_free = made.screen.first_held_free
-    parameter = _parameter(line, made.name)
 
-    def get_new_blocks(self: Any, num_blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
-        if num_blocks is _MISSING:
-            num_blocks = kwargs.pop(parameter, _MISSING)
-            if num_blocks is _MISSING:
-                return original(self, *args, **kwargs)
-        elif kwargs and parameter in kwargs:
-            return original(self, num_blocks, *args, **kwargs)
+    def alloc(self: Any, num_blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if type(num_blocks) is not int:
             # What vLLM's queue takes as a count (a bool, an int subclass, an __index__)
             # is screened by its value, and that value is what vLLM is given.
@@ -354,7 +347,7 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
                 return _alloc(made, self, num_blocks, args, kwargs)
         return original(self, num_blocks, *args, **kwargs)
 
-    return _wrapped(made, get_new_blocks)
+    return _adapter(made, line, alloc)
 
 
 def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:

@@ -148,7 +148,7 @@ def log_notes(notes: list[Note]) -> None:
 
 def freed(blocks: list[Any]) -> None:
     """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(3)  # past the guard's rule and its adapter
     _frees.append((blocks, frame.f_code, frame.f_lineno))
     _freed_total[0] += 1
 
