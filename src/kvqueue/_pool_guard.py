@@ -293,7 +293,14 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         found = first_excess(blocks, self._weak_self if weak else self if own else None)
         if found == -1:
             return original(self, blocks, *args, **kwargs)
-        return _free(made, line, self, blocks, args, kwargs)
+        return _slow(
+            made,
+            self,
+            blocks,
+            args,
+            kwargs,
+            lambda call: _rules.free(self, blocks, line, made.name, made.policy, _guard_of, call),
+        )
 
     return _adapter(made, line, free)
 
@@ -322,7 +329,14 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         i = first_negative(blocks, self._weak_self if weak else self if own else None)
         if i < 0:
             return original(self, blocks, *args, **kwargs)
-        return _touch(made, line, self, blocks, i, args, kwargs)
+        return _slow(
+            made,
+            self,
+            blocks,
+            args,
+            kwargs,
+            lambda call: _rules.touch(self, blocks, i, line, made.policy, call),
+        )
 
     return _adapter(made, line, touch)
 
@@ -344,7 +358,14 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         if 0 < num_blocks <= queue.num_free_blocks:
             block = first_held_free(queue.fake_free_list_head, num_blocks)
             if block is not None:
-                return _alloc(made, self, num_blocks, args, kwargs)
+                return _slow(
+                    made,
+                    self,
+                    num_blocks,
+                    args,
+                    kwargs,
+                    lambda call: _rules.alloc(self, num_blocks, made.policy, call),
+                )
         return original(self, num_blocks, *args, **kwargs)
 
     return _adapter(made, line, alloc)
@@ -381,49 +402,17 @@ def _guard_of(pool: Any) -> tuple[ModuleType, PoolPolicy] | None:
     return made.screen, made.policy
 
 
-def _free(
+def _slow(
     made: _Guard,
-    line: Any,
     pool: Any,
-    blocks: list[Any],
+    first: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    rule: Callable[[Callable[[Any], Any]], Any],
 ) -> Any:
+    """What a screen flagged, to ``rule`` with vLLM's method bound to the call's other
+    arguments; a retired guard, or a call vLLM's method would refuse, goes to vLLM."""
     original = made.original
-    if made.retired or not _binds(made, pool, blocks, args, kwargs):
-        return original(pool, blocks, *args, **kwargs)
-    return _rules.free(
-        pool,
-        blocks,
-        line,
-        made.name,
-        made.policy,
-        _guard_of,
-        lambda kept: original(pool, kept, *args, **kwargs),
-    )
-
-
-def _touch(
-    made: _Guard,
-    line: Any,
-    pool: Any,
-    blocks: list[Any],
-    first: int,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    original = made.original
-    if made.retired or not _binds(made, pool, blocks, args, kwargs):
-        return original(pool, blocks, *args, **kwargs)
-    return _rules.touch(
-        pool, blocks, first, line, made.policy, lambda kept: original(pool, kept, *args, **kwargs)
-    )
-
-
-def _alloc(
-    made: _Guard, pool: Any, num_blocks: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    original = made.original
-    if made.retired or not _binds(made, pool, num_blocks, args, kwargs):
-        return original(pool, num_blocks, *args, **kwargs)
-    return _rules.alloc(pool, num_blocks, made.policy, lambda n: original(pool, n, *args, **kwargs))
+    if made.retired or not _binds(made, pool, first, args, kwargs):
+        return original(pool, first, *args, **kwargs)
+    return rule(lambda given: original(pool, given, *args, **kwargs))

@@ -286,16 +286,9 @@ def _guard(state: _Installed, screen: ModuleType) -> None:
     (the line correction included). Both classes are checked before either is changed."""
     _originals(state, state.wrap_foreign)
     state.corrected = {}
-    state.pool_originals = _pool_guard.guard(
-        state.pool_class, screen, state.policy, wrap_foreign=state.wrap_foreign, line=state.line
-    )
-    state.manager_originals = _pool_guard.guard(
-        state.manager_class,
-        screen,
-        state.policy,
-        wrap_foreign=state.wrap_foreign,
-        line=state.line,
-        names=_pool_guard.AUDITED,
+    state.pool_originals = _guarded(state, state.pool_class, screen)
+    state.manager_originals = _guarded(
+        state, state.manager_class, screen, names=_pool_guard.AUDITED
     )
 
 
@@ -303,15 +296,15 @@ def _correct(state: _Installed, screen: ModuleType) -> None:
     """With the guard off, on a line that counts first: its correction
     (``_pool_guard.CORRECTED``), so that kvqueue's queue loses no block vLLM would keep."""
     if state.line.counts_first:
-        state.corrected = _pool_guard.guard(
-            state.pool_class,
-            screen,
-            state.policy,
-            wrap_foreign=state.wrap_foreign,
-            line=state.line,
-            names=_pool_guard.CORRECTED,
-            correct_only=True,
+        state.corrected = _guarded(
+            state, state.pool_class, screen, names=_pool_guard.CORRECTED, correct_only=True
         )
+
+
+def _guarded(state: _Installed, cls: type, screen: ModuleType, **how: Any) -> dict[str, Any]:
+    return _pool_guard.guard(
+        cls, screen, state.policy, wrap_foreign=state.wrap_foreign, line=state.line, **how
+    )
 
 
 def _originals(state: _Installed, wrap_foreign: bool) -> None:
