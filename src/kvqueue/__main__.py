@@ -162,9 +162,10 @@ _SAYS = {
 def _print(facts: dict[str, Any], problems: list[str]) -> None:
     print(f"kvqueue {facts['kvqueue']} ({facts['location']}), Python {facts['python']}")
     if facts["implementation"] is None:
-        print(f"import kvqueue: {facts['why']}")
+        loads = f"import kvqueue: {facts['why']}"
     else:
-        print(f"import kvqueue loads: {facts['implementation']} twin ({facts['why']})")
+        loads = f"import kvqueue loads: {facts['implementation']} twin ({facts['why']})"
+    print(textwrap.fill(loads, _WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     print("environment:")
     for name in _env.USER:
         value = facts["environment"][name]

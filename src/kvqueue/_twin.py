@@ -7,6 +7,7 @@ so the reason a twin was chosen is worked out here only.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -43,7 +44,10 @@ def load(pure: bool) -> Twin:
         try:
             _loaded = _compiled()
         except ImportError as exc:
-            _loaded = _pure(f"the compiled twin cannot be imported: {exc}", failed=str(exc))
+            why = f"the compiled twin cannot be imported: {exc}"
+            if not _installed(f"{__package__}._queue"):
+                why = "this install has no compiled twin (built without a C compiler?)"
+            _loaded = _pure(why, failed=str(exc))
         except RuntimeWarning:
             # A free-threaded CPython run with -W error refuses to re-enable the GIL for the
             # compiled twin; the pure one needs no GIL.
@@ -91,3 +95,12 @@ def _pure(why: str, *, failed: str = "") -> Twin:
     from ._queue_py import FreeKVCacheBlockQueue
 
     return Twin("python", FreeKVCacheBlockQueue, _screen_py, why, failed)
+
+
+def _installed(name: str) -> bool:
+    """Whether a module ``name`` is there to import (an import hook that refuses to look
+    counts as there: its refusal is the reason given)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return True
