@@ -61,16 +61,17 @@ POOL_SOURCE = textwrap.dedent(
                 block.ref_cnt += 1
 
         def free_blocks(self, ordered_blocks, *rest):
-            freed = []
             if COUNTS_FIRST:  # vLLM 0.23: every count released, then every occurrence at 0 queued
                 blocks = list(ordered_blocks)
                 for block in blocks:
                     block.ref_cnt -= 1
                 freed = [block for block in blocks if block.ref_cnt == 0 and not block.is_null]
-            for block in [] if COUNTS_FIRST else ordered_blocks:
-                block.ref_cnt -= 1
-                if block.ref_cnt == 0 and not block.is_null:
-                    freed.append(block)
+            else:
+                freed = []
+                for block in ordered_blocks:
+                    block.ref_cnt -= 1
+                    if block.ref_cnt == 0 and not block.is_null:
+                        freed.append(block)
             self.free_block_queue.append_n(freed)
 
         def unpin_blocks(self, blocks, on_reuse):
