@@ -137,6 +137,13 @@ _FAKE_VLLM = {
 }
 
 
+def _first_on_path(*directories: Any) -> str:
+    """A ``PYTHONPATH`` with ``directories`` before the suite's own: where kvqueue is
+    installed by ``PYTHONPATH`` (the aarch64 run under qemu), it must stay importable."""
+    inherited = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([*map(str, directories), *([inherited] if inherited else [])])
+
+
 def _fake_vllm(root: Any, **replace: str) -> str:
     from support.helpers import TESTS
 
@@ -144,7 +151,7 @@ def _fake_vllm(root: Any, **replace: str) -> str:
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return os.pathsep.join([str(root), str(TESTS)])
+    return _first_on_path(root, TESTS)
 
 
 def _narrow(done: subprocess.CompletedProcess[str]) -> None:
@@ -236,7 +243,7 @@ def _versioned_vllm(root: Any, version: str) -> str:
     info = root / f"vllm-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-    return str(root)
+    return _first_on_path(root)
 
 
 def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
