@@ -43,13 +43,14 @@ COUNTS = {
     "shortfalls": 0,
 }
 POOLS: list[Any] = []
-# Held by a finalizer while it frees and by check(): the collector may run a finalizer on the
-# switching thread (any allocation there), and its free mid-check would make a sound list
-# look miscounted.
-FREEING = threading.Lock()
-# The blocks a call of the program is about to give back: a finalizer that freed one of them
-# too (in another of the program's entries for it) would free a reference twice, from two
-# threads, between the guard's screen and the pool's own update, which no guard can see.
+# The collector may run a finalizer on the switching thread (any allocation there): its free
+# would race the program's own call on the same pool, two threads between one guard's screen
+# and the pool's update, which no guard can see (vLLM calls its pool from one thread). Such a
+# finalizer leaves its free here, and the program's thread makes it before its next call.
+PROGRAM_THREAD = threading.get_ident()
+HANDED_OVER: list[tuple[Any, list[Any]]] = []
+# The block the program is unpinning: a finalizer run inside that call must not free another
+# of the program's entries for it (a reference the unpin is already giving back).
 IN_FLIGHT: set[int] = set()
 
 
@@ -81,29 +82,33 @@ class Freer:
         self.pool, self.held, self.me = pool, held, self
 
     def __del__(self) -> None:
-        with FREEING:
-            if not self.held or id(self.held[-1]) in IN_FLIGHT:
-                return
-            COUNTS["finalizers"] += 1
-            block = self.held.pop()
-            try:
-                self.pool.free_blocks([block] * RNG.choice([1, 1, 2]))
-            except TypeError:
-                self.held.append(block)  # its ref_cnt is the program's no-integer, for now
+        if threading.get_ident() == PROGRAM_THREAD:
+            free_one(self.pool, self.held)
+        else:
+            HANDED_OVER.append((self.pool, self.held))
+
+
+def free_one(pool: Any, held: list[Any]) -> None:
+    if not held or id(held[-1]) in IN_FLIGHT:
+        return
+    COUNTS["finalizers"] += 1
+    block = held.pop()
+    try:
+        pool.free_blocks([block] * RNG.choice([1, 1, 2]))
+    except TypeError:
+        held.append(block)  # its ref_cnt is the program's no-integer, for now
 
 
 def check(pool: Any) -> None:
     queue = pool.free_block_queue
-    # The collector off before the lock: a finalizer run here, on this thread, would wait
-    # for the lock this thread holds.
+    # The collector off: a finalizer run mid-check would make a sound list look miscounted.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with FREEING:
-            reason = well_formed(queue)
-            assert reason is None, reason
-            free = queue.get_all_free_blocks()
-            assert queue.num_free_blocks == len(free), (queue.num_free_blocks, len(free))
+        reason = well_formed(queue)
+        assert reason is None, reason
+        free = queue.get_all_free_blocks()
+        assert queue.num_free_blocks == len(free), (queue.num_free_blocks, len(free))
     finally:
         if enabled:
             gc.enable()
@@ -158,6 +163,8 @@ def run(name: str, seed: int, ops: int) -> Stats:
         try:
             for _ in range(ops):
                 COUNTS["ops"] += 1
+                while HANDED_OVER:
+                    free_one(*HANDED_OVER.pop())
                 pool = RNG.choice(pools)
                 step(pool, pools, held, of)
                 if not inside:
