@@ -10,7 +10,7 @@
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
 #   make bench-engine     a live vLLM engine's throughput per queue (bench/throughput.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
-#                         (VLLM=0.31.0 or VLLM=0.31: another line of src/kvqueue/_vllm_lines.py)
+#                         (VLLM=0.31.0 or VLLM=0.31: another line of src/kvqueue/vllm/_lines.py)
 #   make vllm-matrix      make vllm-tests for every line of that table (VLLM_MATRIX=--ci: CI's)
 #   make vllm-line-check VLLM=0.35.0
 #                         a release's wheel against the table: the row to add, or what differs;
@@ -41,9 +41,9 @@ LINT_PY := $(LINT_VENV)/bin/python
 BENCH_PY := $(BENCH_VENV)/bin/python
 PIP := -m pip install -q
 # What an install is built from. Not the C that every build writes into src/
-# (_queue.c, _screen.c): with it, each install would make the next one stale.
+# (_queue.c, vllm/_screen.c): with it, each install would make the next one stale.
 SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
-	$(wildcard src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/*.pyx src/kvqueue/*.pxd src/kvqueue/*.h)
+	$(wildcard $(foreach d,src/kvqueue src/kvqueue/vllm,$(d)/*.py $(d)/*.pyi $(d)/*.pyx $(d)/*.h))
 
 .PHONY: test bench bench-screens bench-audit bench-scheduler bench-engine demo lint memcheck py314 vllm-tests vllm-matrix vllm-line-check clean
 
@@ -78,7 +78,7 @@ lint: $(LINT_VENV)/.ready
 	$(LINT_PY) -m ruff check src tests bench examples vllm_tests .ci
 	$(LINT_PY) -m ruff format --check src tests bench examples vllm_tests .ci
 	$(LINT_PY) -m mypy
-	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx src/kvqueue/_screen.pyx
+	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx src/kvqueue/vllm/_screen.pyx
 
 # What bench/ takes from vllm_tests/ (sdist: the pin and the fetcher; live: the live engine) it
 # imports by this path, which the benchmark's spawned processes inherit.
@@ -136,7 +136,7 @@ vllm-matrix:
 # A live vLLM engine on the CPU (vllm_tests/live/), a double free injected in its engine core,
 # three ways side by side (DEMO_ARGS=--form B: a free block freed again; --form C: a held
 # block in a full pool's free list). VLLM=0.31.0: that release's Python code laid over the
-# venv's vLLM (vllm_tests/lines.py); any line of src/kvqueue/_vllm_lines.py.
+# venv's vLLM (vllm_tests/lines.py); any line of src/kvqueue/vllm/_lines.py.
 demo:
 	$(PYTHON311) examples/demo.py $(if $(VLLM),--vllm $(VLLM)) $(DEMO_ARGS)
 
@@ -148,4 +148,4 @@ py314:
 	bash .ci/py314.sh
 
 clean:
-	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/_queue.c src/kvqueue/_screen.c
+	rm -rf .venv* build dist src/*.egg-info src/kvqueue/*.so src/kvqueue/vllm/*.so src/kvqueue/_queue.c src/kvqueue/vllm/_screen.c

@@ -84,9 +84,9 @@ else:
                     depends=["src/kvqueue/_slots.h", "src/kvqueue/_member.h"],
                 ),
                 Extension(
-                    "kvqueue._screen",
-                    ["src/kvqueue/_screen.pyx"],
-                    depends=["src/kvqueue/_screen.h", "src/kvqueue/_member.h"],
+                    "kvqueue.vllm._screen",
+                    ["src/kvqueue/vllm/_screen.pyx"],
+                    depends=["src/kvqueue/vllm/_screen.h", "src/kvqueue/_member.h"],
                 ),
             ],
             compiler_directives={"language_level": "3"},

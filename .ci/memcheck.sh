@@ -43,7 +43,8 @@ rm -rf "$out" && mkdir -p "$logs"
 build() {  # $1: the directory to build the extension into; CFLAGS etc. from the caller
     "$PY" setup.py -q build_ext --build-lib "$out/$1" --build-temp "$out/$1-tmp" \
         >"$out/$1-build.log" 2>&1 || { cat "$out/$1-build.log"; exit 1; }
-    cp src/kvqueue/*.py src/kvqueue/*.pyi src/kvqueue/py.typed "$out/$1/kvqueue/"
+    (cd src && find kvqueue \( -name '*.py' -o -name '*.pyi' -o -name py.typed \) \
+        -exec cp --parents {} "$out/$1/" \;)
 }
 
 section() { printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }

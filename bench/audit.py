@@ -30,7 +30,7 @@ SHARED = 8
 FREED = 8
 # Processes, samples per process and size.
 FULL, QUICK = (7, 41), (3, 11)
-TWINS = {"cython": "kvqueue._screen", "python": "kvqueue._screen_py"}
+TWINS = {"cython": "kvqueue.vllm._screen", "python": "kvqueue.vllm._screen_py"}
 CLOCKS = {"wall": perf_counter_ns, "cpu": thread_time_ns}
 
 

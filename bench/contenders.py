@@ -1,6 +1,6 @@
 """The queues of the microbenchmark, all threading the same ``kvqueue.KVCacheBlock`` class.
 
-vLLM's ``FreeKVCacheBlockQueue`` of each line of ``kvqueue._vllm_lines`` (``vllm-0.23`` ...) is
+vLLM's ``FreeKVCacheBlockQueue`` of each line of ``kvqueue.vllm._lines`` (``vllm-0.23`` ...) is
 read from that release's wheel if one is in ``<cache root>/wheels`` (vllm_tests/venv.sh keeps
 the pin's there), else from its sdist (the one ``make vllm-tests`` takes its tests from,
 vllm_tests/sdist.py): both hold the same file, and nothing of vLLM is committed here. The file
@@ -31,7 +31,7 @@ from typing import Any
 import sdist  # vllm_tests/sdist.py (the Makefile's PYTHONPATH): the cache root, pin, download
 
 from kvqueue import KVCacheBlock
-from kvqueue._vllm_lines import LINES
+from kvqueue.vllm._lines import LINES
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ QUEUE_FILE = "vllm/v1/core/kv_cache_utils.py"
 # vLLM 0.30 is the seed's baseline: every ratio is taken against it. Beside it, the release
 # vllm_tests/vllm.env pins (0.32 and later have a local-variable / single-block fast path).
 REFERENCE, PINNED = "vllm-0.30", "vllm-" + ".".join(sdist.VLLM_VERSION.split(".")[:2])
-# Every line's newest release as _vllm_lines has it; the pinned line's, as vllm.env pins it.
+# Every line's newest release as _lines has it; the pinned line's, as vllm.env pins it.
 VLLM_VERSIONS = {f"vllm-{line.name}": line.release for line in LINES} | {PINNED: sdist.VLLM_VERSION}
 # With no vLLM (--quick), ratios are taken against the pure twin instead.
 FALLBACK_REFERENCE = "pure"
@@ -176,17 +176,26 @@ def _extract(commit: str, root: Path) -> None:
         path.write_text(_C_NAMES.sub("KvqBaseQueue", text), encoding="utf-8")
 
 
-# The extensions a baseline builds: the queue (run.py) and the pool guard's screens (screens.py).
-COMPILED = ("_queue", "_screen")
+# The extensions a baseline builds: the queue (run.py) and the pool guard's screens (screens.py),
+# the screens in kvqueue.vllm or, in commits before that subpackage, beside the queue.
+COMPILED = ("_queue", "vllm/_screen")
+
+
+def _compiled(root: Path) -> list[str]:
+    """COMPILED as paths under ``root`` without their suffix, as that commit lays them out."""
+    return [m if (root / f"{m}.pyx").is_file() else m.rpartition("/")[2] for m in COMPILED]
 
 
 def baseline_module(rev: str, name: str) -> str:
     """Make ``kvqueue_base`` at ``rev`` importable (built once, about half a minute); the full
-    name of its module ``name``."""
+    name of its module ``name`` (``"_queue"`` or ``"_screen"``, wherever that commit has it)."""
     commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
     root = sdist.cache_dir() / "baseline" / commit
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    if not all((root / BASE / f"{m}{suffix}").is_file() for m in COMPILED):
+    built = (root / BASE).is_dir() and all(
+        (root / BASE / f"{m}{suffix}").is_file() for m in _compiled(root / BASE)
+    )
+    if not built:
         if not (root / BASE).is_dir():
             # Staged, then renamed: an interrupted extraction leaves no half package behind
             # (the staging directory, renamed away, is no error to clean up).
@@ -196,10 +205,11 @@ def baseline_module(rev: str, name: str) -> str:
                 Path(tmp).rename(root)
         print(f"baseline: building kvqueue {rev} in {root} ...", file=sys.stderr)
         cythonize = [sys.executable, "-m", "Cython.Build.Cythonize", "-i", "-q", "-3"]
-        sources = [f"{BASE}/{m}.pyx" for m in COMPILED]
+        sources = [f"{BASE}/{m}.pyx" for m in _compiled(root / BASE)]
         subprocess.run([*cythonize, *sources], cwd=root, stdout=subprocess.DEVNULL, check=True)
     # Built at run time, installed nowhere: its directory goes on the path so that its modules
     # import one another (``from kvqueue_base import ...``) as the installed kvqueue's do.
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    return f"{BASE}.{name}"
+    found = next(m for m in _compiled(root / BASE) if m.rpartition("/")[2] == name)
+    return f"{BASE}.{found.replace('/', '.')}"

@@ -27,8 +27,8 @@ import sched_engine
 from launch import bootstrap_median, interval
 from sched_engine import WORKLOADS
 
-from kvqueue import _pool_guard, _rules
-from kvqueue._pool_guard import GUARDED
+from kvqueue.vllm import _pool_guard, _rules
+from kvqueue.vllm._pool_guard import GUARDED
 
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
 REFERENCE = "vllm"

@@ -3,7 +3,7 @@
 Usage and method: bench/README.md. ``first_excess`` screens every ``free_blocks`` batch (the
 guard's most frequent screen by blocks, and the one that keeps a table of what it counted); a
 case is a batch of distinct blocks of one pool, each holding one reference, as a request's
-blocks come back. It times whatever ``kvqueue._screen`` imports against ``_screen`` at REV.
+blocks come back. It times whatever ``kvqueue.vllm._screen`` imports against ``_screen`` at REV.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Block:
 
 def _screen(name: str) -> Any:
     rev = name.partition("@")[2]
-    module = contenders.baseline_module(rev, "_screen") if rev else "kvqueue._screen"
+    module = contenders.baseline_module(rev, "_screen") if rev else "kvqueue.vllm._screen"
     return __import__(module, fromlist=["first_excess"]).first_excess
 
 

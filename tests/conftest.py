@@ -38,8 +38,8 @@ def queue_mod(request: pytest.FixtureRequest) -> ModuleType:
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param("kvqueue._screen", id="c", marks=pytest.mark.c_extension),
-        pytest.param("kvqueue._screen_py", id="py"),
+        pytest.param("kvqueue.vllm._screen", id="c", marks=pytest.mark.c_extension),
+        pytest.param("kvqueue.vllm._screen_py", id="py"),
     ],
 )
 def screen(request: pytest.FixtureRequest) -> ModuleType:

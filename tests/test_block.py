@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 from kvqueue import KVCacheBlock
-from kvqueue._vllm_lines import LINES
+from kvqueue.vllm._lines import LINES
 
 from support.blocks import SubBlock
 

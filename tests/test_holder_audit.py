@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvqueue import _errors, _report, _rules
-from kvqueue._vllm_lines import LINES
+from kvqueue import _errors
+from kvqueue.vllm import _report, _rules
+from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import (
     consistent,

@@ -96,7 +96,7 @@ def test_a_bad_policy_is_reported_once_when_the_plugin_is_on() -> None:
 
 
 def test_the_accepted_lines_are_the_tables() -> None:
-    from kvqueue._vllm_lines import LINES
+    from kvqueue.vllm._lines import LINES
 
     assert report()["accepted_vllm_lines"] == [line.release for line in LINES]
 
@@ -180,7 +180,7 @@ def test_the_plugin_raises_where_vllms_loader_imports_kvqueue(tmp_path: Any) -> 
     loader = (
         "import importlib\n"
         "def load_plugins_by_group(group):\n"
-        "    return importlib.import_module('kvqueue._vllm_plugin').plugin\n"
+        "    return importlib.import_module('kvqueue.vllm._plugin').plugin\n"
     )
     code = (
         "space = {'__name__': 'vllm.plugins'}\n"
@@ -249,7 +249,7 @@ def _versioned_vllm(root: Any, version: str) -> str:
 def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
     """Text and JSON say which vLLM is installed and what the table of lines says of it:
     the newest line accepted, one line newer not yet (and how to check it)."""
-    from kvqueue._vllm_lines import LINES
+    from kvqueue.vllm._lines import LINES
 
     newest = LINES[-1]
     newer = f"{newest.minor[0]}.{newest.minor[1] + 1}.0"

@@ -1,4 +1,4 @@
-"""kvqueue's counters for vLLM's /metrics (``kvqueue._metrics``): every refusal and repair of
+"""kvqueue's counters for vLLM's /metrics (``kvqueue.vllm._metrics``): every refusal and repair of
 the guard counted by method and kind, and written where a front end's collector reads them
 (the live route, through ``vllm serve``, is in vllm_tests/test_live_engine.py)."""
 
@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvqueue import _env, _metrics, _report
+from kvqueue import _env
+from kvqueue.vllm import _metrics, _report
 
 from support.fake_pool import guarded, line, make_pool
 

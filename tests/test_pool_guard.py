@@ -17,9 +17,10 @@ from typing import Any, cast
 
 import pytest
 
-from kvqueue import KVCacheBlock, _pool_guard
+from kvqueue import KVCacheBlock
 from kvqueue._errors import VLLMLayoutError
-from kvqueue._vllm_lines import LINES, Line
+from kvqueue.vllm import _pool_guard
+from kvqueue.vllm._lines import LINES, Line
 
 from isolated.guard_cases import CASES as ISOLATED_CASES
 from support import vllm_stubs
@@ -139,7 +140,7 @@ def test_blocks_made_outside_the_pool_keep_vllms_handling_before_0_30(
 
 def test_only_the_methods_a_line_has_are_guarded(each_line: Line) -> None:
     cls = pool_class(each_line)
-    import kvqueue._screen_py as screen
+    import kvqueue.vllm._screen_py as screen
 
     found = _pool_guard.guard(cls, screen, policy_of, wrap_foreign=False, line=each_line)
     assert sorted(found) == sorted(each_line.pool_methods)
@@ -496,7 +497,7 @@ def test_a_wraps_wrapper_is_named_by_where_its_code_is(queue_mod: ModuleType) ->
 
 
 def test_a_copied_guard_marker_is_not_kvqueues_guard(queue_mod: ModuleType, quiet: Any) -> None:
-    import kvqueue._screen_py as pure
+    import kvqueue.vllm._screen_py as pure
 
     with guarded(queue_mod, NEWEST) as cls:
         ours = cls.__dict__["free_blocks"]
@@ -670,8 +671,8 @@ class _SwitchOnTruth:
 
 @pytest.fixture(
     params=[
-        pytest.param("kvqueue._screen", id="c", marks=pytest.mark.c_extension),
-        pytest.param("kvqueue._screen_py", id="py"),
+        pytest.param("kvqueue.vllm._screen", id="c", marks=pytest.mark.c_extension),
+        pytest.param("kvqueue.vllm._screen_py", id="py"),
     ],
 )
 def screen(request: pytest.FixtureRequest) -> ModuleType:

@@ -48,7 +48,7 @@ def test_the_settings_table_says_what_each_variable_does() -> None:
 def test_the_table_of_lines_is_the_codes() -> None:
     if not README.exists():
         pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
-    from kvqueue._vllm_lines import LINES
+    from kvqueue.vllm._lines import LINES
 
     rows = re.findall(r"^\| (0\.\d+) \| (0\.\d+\.\d+) \|", README.read_text(), re.MULTILINE)
     assert rows == [(line.name, line.release) for line in LINES]

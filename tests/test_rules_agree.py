@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvqueue import _rules
-from kvqueue._vllm_lines import LINES, Line
+from kvqueue.vllm import _rules
+from kvqueue.vllm._lines import LINES, Line
 
 from support.fake_pool import make_pool, pool_class, screen_of
 

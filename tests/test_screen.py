@@ -164,7 +164,7 @@ def test_first_held_free(screen: ModuleType) -> None:
 
 
 def test_twins_document_the_same_contract(screen: ModuleType) -> None:
-    import kvqueue._screen_py as pure
+    import kvqueue.vllm._screen_py as pure
 
     assert screen.__all__ == pure.__all__
     for name in pure.__all__:

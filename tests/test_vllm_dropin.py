@@ -14,8 +14,9 @@ import pytest
 
 import kvqueue
 import kvqueue.vllm as kv_vllm
-from kvqueue import _env, _vllm_plugin
-from kvqueue._vllm_lines import LINES, Line
+from kvqueue import _env
+from kvqueue.vllm import _plugin
+from kvqueue.vllm._lines import LINES, Line
 
 from support.blocks import layout
 from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
@@ -552,7 +553,7 @@ def test_plugin_off_unless_asked(
         monkeypatch.delenv(_env.VLLM, raising=False)
     else:
         monkeypatch.setenv(_env.VLLM, value)
-    _vllm_plugin.plugin()
+    _plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
@@ -565,12 +566,12 @@ def test_plugin_installs_and_is_idempotent(
 ) -> None:
     monkeypatch.setenv(_env.VLLM, value)
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
-    _vllm_plugin.plugin()
+    _plugin.plugin()
     expected = implementation or kvqueue.IMPLEMENTATION
     assert kv_vllm.status()["implementation"] == expected
     assert kv_vllm.status()["on_misuse"] == "repair"
     bound = fake.pool.FreeKVCacheBlockQueue
-    _vllm_plugin.plugin()
+    _plugin.plugin()
     assert fake.pool.FreeKVCacheBlockQueue is bound
     assert fake.pool.BlockPool(3).free_block_queue.on_misuse == "repair"
 
@@ -582,7 +583,7 @@ def test_plugin_refuses_unknown_values(
     monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        _vllm_plugin.plugin()
+        _plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
@@ -591,7 +592,7 @@ def test_plugin_entry_point_is_installed() -> None:
     from importlib.metadata import entry_points
 
     points = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert points.get("kvqueue") == "kvqueue._vllm_plugin:plugin"
+    assert points.get("kvqueue") == "kvqueue.vllm._plugin:plugin"
 
 
 def test_a_module_imported_after_install_is_switched_and_restored(
@@ -618,10 +619,10 @@ def test_plugin_keeps_an_applications_policy(
     kv_vllm.install("python", on_misuse="repair")
     monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.delenv("KVQUEUE_ON_MISUSE", raising=False)
-    _vllm_plugin.plugin()
+    _plugin.plugin()
     assert kv_vllm.status()["on_misuse"] == "repair"
     monkeypatch.setenv("KVQUEUE_ON_MISUSE", "raise")
-    _vllm_plugin.plugin()  # the environment, set, decides
+    _plugin.plugin()  # the environment, set, decides
     assert kv_vllm.status()["on_misuse"] == "raise"
 
 
@@ -632,7 +633,7 @@ def test_plugin_refuses_unknown_guard_switch(
     monkeypatch.setenv(_env.VLLM, "python")
     monkeypatch.setenv(_env.POOL_GUARD, value)
     with pytest.raises(ValueError, match="KVQUEUE_POOL_GUARD must be one of '1', '0'"):
-        _vllm_plugin.plugin()
+        _plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
 
 
@@ -660,7 +661,7 @@ def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
     fake = FakeVllm(monkeypatch, version=OLDER)
     monkeypatch.setenv(_env.VLLM, "auto")
     with caplog.at_level("WARNING", logger="kvqueue"):
-        _vllm_plugin.plugin()
+        _plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
     assert fake.pool.BlockPool.free_blocks.__module__ == POOL
@@ -678,7 +679,7 @@ def test_plugin_auto_on_a_newer_vllm_says_what_and_how_to_check(
     fake = FakeVllm(monkeypatch, version=NEWER)
     monkeypatch.setenv(_env.VLLM, "auto")
     with caplog.at_level("WARNING", logger="kvqueue"):
-        _vllm_plugin.plugin()
+        _plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
     [record] = caplog.records
@@ -696,7 +697,7 @@ def test_plugin_strict_stops_a_line_it_does_not_accept(
     fake = FakeVllm(monkeypatch, version=NEWER)
     monkeypatch.setenv(_env.VLLM, value)
     with pytest.raises(kv_vllm.VLLMLayoutError, match=ACCEPTED):
-        _vllm_plugin.plugin()
+        _plugin.plugin()
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
 
@@ -719,7 +720,7 @@ ENVIRONMENTS = [
 def test_the_plan_is_what_the_plugin_does(
     monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], version: str, foreign: bool
 ) -> None:
-    """``python -m kvqueue`` prints kvqueue._vllm_plugin.plan(): the plugin carries it out."""
+    """``python -m kvqueue`` prints kvqueue.vllm._plugin.plan(): the plugin carries it out."""
 
     line = LINES[0] if version == OLDER else _vllm_lines_find(version)
     fake = FakeVllm(monkeypatch, version=version, line=line)
@@ -731,14 +732,14 @@ def test_the_plan_is_what_the_plugin_does(
         monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    plan = _vllm_plugin.plan()
+    plan = _plugin.plan()
     if plan.action == "refuse":
         with pytest.raises((ValueError, kv_vllm.VLLMLayoutError)) as refused:
-            _vllm_plugin.plugin()
+            _plugin.plugin()
         assert str(refused.value) == plan.reason
         assert kv_vllm.status()["implementation"] is None
         return
-    _vllm_plugin.plugin()
+    _plugin.plugin()
     did = kv_vllm.status()
     if did["implementation"] is None:
         assert plan.action in ("off", "stay_off")
@@ -749,7 +750,7 @@ def test_the_plan_is_what_the_plugin_does(
 
 
 def _vllm_lines_find(version: str) -> Line:
-    from kvqueue._vllm_lines import find
+    from kvqueue.vllm._lines import find
 
     line = find(version)
     assert line is not None
@@ -810,7 +811,7 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
     assert "their_project.patches.free_blocks" in state["bypassed"]["free_blocks"]
     monkeypatch.setenv(_env.VLLM, "1")
     monkeypatch.delenv(_env.WRAP_FOREIGN, raising=False)
-    plan = _vllm_plugin.plan()
+    plan = _plugin.plan()
     assert plan.action == "refuse"
     assert "their_project" in plan.reason
     with pytest.raises(kv_vllm.VLLMLayoutError, match="free_blocks is not vLLM's own"):
@@ -818,7 +819,7 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
     assert kv_vllm.status()["bypassed"] == state["bypassed"]
     monkeypatch.setenv(_env.WRAP_FOREIGN, "1")
     with caplog.at_level("INFO", logger="kvqueue"):
-        _vllm_plugin.plugin()
+        _plugin.plugin()
     assert kv_vllm.status()["bypassed"] == {}
     assert "free_blocks" in kv_vllm.status()["guarded"]
     pool = fake.pool.BlockPool(4)

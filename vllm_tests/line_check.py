@@ -28,9 +28,9 @@ from typing import Any
 
 import lines
 
-from kvqueue import _vllm_lines
-from kvqueue._pool_guard import GUARDED
-from kvqueue._vllm_lines import LINES, Line, find, parse
+from kvqueue.vllm import _lines
+from kvqueue.vllm._lines import LINES, Line, find, parse
+from kvqueue.vllm._pool_guard import GUARDED
 
 _UTILS = "vllm/v1/core/kv_cache_utils.py"
 _POOL = "vllm/v1/core/block_pool.py"
@@ -172,8 +172,8 @@ def _fields(was: tuple[str, ...], now: tuple[str, ...]) -> str:
 
 
 def row_text(release: str, facts: Facts) -> str:
-    """The ``_line(...)`` call for the table, by the names ``_vllm_lines`` gives its values."""
-    names = vars(_vllm_lines)
+    """The ``_line(...)`` call for the table, by the names ``_lines`` gives its values."""
+    names = vars(_lines)
 
     def name_of(value: Any) -> str:
         found = [k for k, v in names.items() if k.isupper() and k.startswith("_") and v == value]
@@ -203,7 +203,7 @@ def main() -> int:
         if new.torch != row.torch:
             problems.append(f"torch {new.torch} pinned, the row says {row.torch}")
         if problems:
-            print(f"vLLM {release}'s wheel is not its row of src/kvqueue/_vllm_lines.py:")
+            print(f"vLLM {release}'s wheel is not its row of src/kvqueue/vllm/_lines.py:")
             print("\n".join(f"  - {each}" for each in problems))
             return 2
         print(f"vLLM {release}: its wheel agrees with its row ({time.monotonic() - start:.0f} s)")
@@ -226,7 +226,7 @@ def main() -> int:
         else f"after the row of {against.name}"
     )
     print(f"vLLM {release} is read as vLLM {against.release} is ({seconds:.0f} s). The row to add")
-    print(f"to src/kvqueue/_vllm_lines.py, {where}:")
+    print(f"to src/kvqueue/vllm/_lines.py, {where}:")
     print(row_text(release, new))
     newest = parse(release) > LINES[-1].minor  # type: ignore[operator]
     if newest or (row is not None and row is LINES[-1]):

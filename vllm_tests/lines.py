@@ -1,7 +1,7 @@
 """One vLLM venv for every accepted line: an older line's Python laid over the newest's venv.
 
 The venv of vllm_tests/venv.sh holds the newest line (``VLLM_VERSION`` of vllm.env) with its
-requirements and the CPU torch. For any other line of ``kvqueue._vllm_lines.LINES``, that
+requirements and the CPU torch. For any other line of ``kvqueue.vllm._lines.LINES``, that
 line's wheel (downloaded once into ``<cache>/wheels``) is unpacked into
 ``<cache>/vllm-<release>-overlay`` without its compiled ``.so`` files (CUDA kernels that the
 CPU path does not load) and with its ``vllm-<release>.dist-info``, versioned
@@ -36,7 +36,7 @@ import sdist
 from packaging.requirements import Requirement
 from requirements import needed
 
-from kvqueue._vllm_lines import LINES, Line, accepted, find
+from kvqueue.vllm._lines import LINES, Line, accepted, find
 
 NEWEST = LINES[-1]
 

@@ -1,6 +1,6 @@
 """vLLM's own tests, three ways: vLLM's queue, kvqueue's compiled twin, its pure twin.
 
-``--line 0.31`` (or ``0.31.0``) picks the vLLM line, one of ``kvqueue._vllm_lines.LINES``;
+``--line 0.31`` (or ``0.31.0``) picks the vLLM line, one of ``kvqueue.vllm._lines.LINES``;
 the default is the venv's own (the release vllm.env pins). Another line runs over the same
 venv with its Python laid over the venv's vLLM (lines.py).
 
@@ -37,7 +37,7 @@ import hub
 import lines
 import sdist
 
-from kvqueue._vllm_lines import LINES, Line, parse
+from kvqueue.vllm._lines import LINES, Line, parse
 
 HERE = Path(__file__).resolve().parent
 QUICK = (

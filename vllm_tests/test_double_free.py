@@ -14,7 +14,7 @@ directly), which links it twice in vLLM's list. The vLLM paths that can reach ea
 vllm_tests/DOUBLE_FREE.md.
 
 The pool is whichever vLLM line is importable (``make vllm-tests VLLM=0.31.0`` lays that line
-over the venv, vllm_tests/lines.py); what the line has is read from ``kvqueue._vllm_lines``:
+over the venv, vllm_tests/lines.py); what the line has is read from ``kvqueue.vllm._lines``:
 0.23 counts every occurrence first and queues at 0 (a duplicate held once is lost, one held
 twice is queued twice) and appends what it frees; later lines classify inside the loop and
 prepend an unhashed block; ``unpin_blocks`` and blocks naming their pool come with 0.30.
@@ -45,7 +45,7 @@ with warnings.catch_warnings():
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.block_pool import BlockPool
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
-from kvqueue._vllm_lines import find  # noqa: E402
+from kvqueue.vllm._lines import find  # noqa: E402
 
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"

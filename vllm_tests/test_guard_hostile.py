@@ -1,6 +1,6 @@
 """The pool guard against hostile use, on vLLM's real ``BlockPool`` (issue 24, items 2-5, 8,
 11, 15): run with pytest in the vLLM venv (vllm_tests/venv.sh), or in it with another line's
-wheel first on ``PYTHONPATH``; each test follows the installed line (kvqueue._vllm_lines).
+wheel first on ``PYTHONPATH``; each test follows the installed line (kvqueue.vllm._lines).
 The same items on a stand-in pool of every line, both twins: tests/test_pool_guard.py.
 """
 
@@ -22,12 +22,12 @@ with warnings.catch_warnings():
     from vllm.v1.core.block_pool import BlockPool
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
 
-from kvqueue import _pool_guard  # noqa: E402
-from kvqueue._vllm_lines import find  # noqa: E402
+from kvqueue.vllm import _pool_guard  # noqa: E402
+from kvqueue.vllm._lines import find  # noqa: E402
 
 LINE = find(vllm.__version__)
 KVQUEUE = ["cython", "python"]
-SCREENS = {"cython": "kvqueue._screen", "python": "kvqueue._screen_py"}
+SCREENS = {"cython": "kvqueue.vllm._screen", "python": "kvqueue.vllm._screen_py"}
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ pytest.importorskip("kvqueue.vllm")
 import hub
 import sdist
 
-from kvqueue._vllm_lines import find
+from kvqueue.vllm._lines import find
 
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"

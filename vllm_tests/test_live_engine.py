@@ -34,14 +34,14 @@ import vllm
 # vllm_tests/ is on sys.path: pytest inserts a test file's directory (no __init__.py here).
 from live import JOURNAL, driver, model
 
-from kvqueue import _vllm_lines
+from kvqueue.vllm import _lines
 
 TWINS = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
 #: KVQUEUE_VLLM for each twin: "1" is what a user sets, and picks the compiled twin.
 SETTING = {"cython": "1", "python": "python"}
 VLLM_POOL = os.path.join("vllm", "v1", "core", "block_pool.py")
 #: The line of the vLLM under test: what its pool does with a double free differs.
-LINE = _vllm_lines.find(vllm.__version__)
+LINE = _lines.find(vllm.__version__)
 #: What a right engine answers, round by round (the driver's default workload).
 RIGHT = driver.completions(3, 20, 24)
 #: Form C needs a pool that fills up (a round's peak is about 120 blocks).
@@ -334,7 +334,7 @@ def test_raise_stops_where_the_next_step_starts(runs: Runs) -> None:
     assert died["type"] == "HolderAuditError"
     assert f"block {injected['block']} is in the free list" in died["message"]
     assert f"request '{injected['request']}'" in died["message"]
-    assert "kvqueue/_rules.py" in died["raised_at"] or "_rules.py" in died["raised_at"]
+    assert "kvqueue/vllm/_rules.py" in died["raised_at"] or "_rules.py" in died["raised_at"]
     assert wrong(run) == 0  # stopped before serving anything wrong
     assert run.result["error"] is not None
 
@@ -365,7 +365,7 @@ def test_kvqueue_speaks_in_the_engine_cores_own_log(runs: Runs) -> None:
     """The active line and the repairs, in vLLM's format, from the engine core's process."""
     run = runs.get(SETTING["cython"], "repair", "AB", inject_count=2)
     prefix = r"\(EngineCore pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
-    # kvqueue's module as vLLM's format names it: kvqueue/_vllm_plugin.py, or its name alone.
+    # kvqueue's module as vLLM's format names it: kvqueue/vllm/_plugin.py, or its name alone.
     module = r"(?:kvqueue/)?\w+\.py"
     active = prefix.format("INFO", module) + (
         r"kvqueue \S+ active on vLLM \S+: vLLM's free block queue is kvqueue's cython twin, "

@@ -62,7 +62,7 @@ def probe(code: str = PROBE, **env: str) -> dict[str, Any]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout)
-    assert result["entry_point"] == "kvqueue._vllm_plugin:plugin"
+    assert result["entry_point"] == "kvqueue.vllm._plugin:plugin"
     assert result["dist"] == "kvqueue"
     # The installed wheel, not this checkout's src/.
     assert "site-packages" in result["kvqueue_file"]
@@ -230,7 +230,7 @@ def test_kvqueue_lines_in_vllms_own_log() -> None:
     ]
     vllm_format = r"\(MainProcess pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
     assert re.fullmatch(
-        vllm_format.format("INFO", r"kvqueue/_vllm_plugin\.py")
+        vllm_format.format("INFO", r"kvqueue/_plugin\.py")
         + r"kvqueue \S+ active on vLLM \d+\.\d+: vLLM's free block queue "
         r"is kvqueue's cython twin, pool guard on \(.*free_blocks.*\), holder audit on, "
         r"on_misuse=repair",

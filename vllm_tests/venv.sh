@@ -68,7 +68,8 @@ if [[ $(cat "$venv/.ready" 2>/dev/null) != "$recipe" ]]; then
 fi
 
 # Cheap when nothing changed: the hash of kvqueue's build inputs decides.
-stamp=$(cd "$root" && cat pyproject.toml setup.py src/kvqueue/*.py src/kvqueue/*.pyx src/kvqueue/*.pyi src/kvqueue/*.h 2>/dev/null | sha256sum | cut -d' ' -f1)
+stamp=$(cd "$root" && cat pyproject.toml setup.py src/kvqueue/*.py src/kvqueue/*.pyx src/kvqueue/*.pyi src/kvqueue/*.h \
+    src/kvqueue/vllm/*.py src/kvqueue/vllm/*.pyx src/kvqueue/vllm/*.pyi src/kvqueue/vllm/*.h 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$venv/.kvqueue-src" 2>/dev/null) != "$stamp" ]]; then
     log "installing kvqueue from $root"
     "$venv/bin/python" -m pip install -q --force-reinstall --no-deps --no-build-isolation "$root"

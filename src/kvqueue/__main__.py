@@ -3,7 +3,7 @@
 Prints the version, the twin ``import kvqueue`` loads and why, every environment variable
 kvqueue reads, the installed vLLM's version and what the table of accepted lines says of it,
 and what vLLM's plugin loader will make of them: the plan that kvqueue's plugin itself carries
-out (``kvqueue._vllm_plugin.plan``). When the plugin is on, vLLM's other general plugins are run
+out (``kvqueue.vllm._plugin.plan``). When the plugin is on, vLLM's other general plugins are run
 first as vLLM runs them (those vLLM loads before kvqueue's before the plan, the others after
 it), so that the plan sees what they patch. Exits 1 when the environment asks for what cannot
 happen (a bad value, a vLLM kvqueue refuses under a strict KVQUEUE_VLLM, a plugin vLLM will not
@@ -24,19 +24,20 @@ from typing import Any
 
 import kvqueue
 
-from . import _env, _foreign, _twin, _vllm_lines, _vllm_plugin
+from . import _env, _twin
+from .vllm import _foreign, _lines, _plugin
 
 
 def report() -> tuple[dict[str, Any], list[str]]:
     """What ``python -m kvqueue`` says, and the problems that make it exit 1."""
     problems: list[str] = []
     vllm = _vllm()
-    decided = _vllm_plugin.plan()
+    decided = _plugin.plan()
     called = decided.action != "off" and vllm.get("installed") and vllm["plugin_loaded_by_vllm"]
     before, after = _others(vllm) if called else ([], [])
     if before:
         problems += _run(before)
-        decided = _vllm_plugin.plan()
+        decided = _plugin.plan()
     problems += decided.problems
     try:
         _env.flag(_env.PURE)
@@ -53,7 +54,7 @@ def report() -> tuple[dict[str, Any], list[str]]:
         "implementation": implementation,
         "why": why,
         "environment": {name: os.environ.get(name) for name in _env.USER},
-        "accepted_vllm_lines": [line.release for line in _vllm_lines.LINES],
+        "accepted_vllm_lines": [line.release for line in _lines.LINES],
     }
     facts["vllm"] = vllm
     facts["plugin"] = {
@@ -106,7 +107,7 @@ def _call(point: Any) -> str | None:
 
 def _bypassing(points: list[Any]) -> list[str]:
     """The guarded methods that plugins vLLM calls after kvqueue's replace: bypassed."""
-    from . import _pool_guard
+    from .vllm import _pool_guard
 
     try:
         pool_class = vars(importlib.import_module("vllm.v1.core.block_pool"))["BlockPool"]
@@ -140,7 +141,7 @@ def _vllm() -> dict[str, Any]:
     return {
         "installed": True,
         "version": version,
-        "verdict": _vllm_lines.verdict(version),
+        "verdict": _lines.verdict(version),
         "VLLM_PLUGINS": allowed,
         "plugin_registered": bool(points),
         "plugin_loaded_by_vllm": bool(points)

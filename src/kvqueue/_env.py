@@ -38,7 +38,7 @@ POOL_GUARD = "KVQUEUE_POOL_GUARD"
 WRAP_FOREIGN = "KVQUEUE_WRAP_FOREIGN"
 AUDIT_EVERY = "KVQUEUE_AUDIT_EVERY"
 #: Not a user's: the directory kvqueue's plugin makes in vLLM's front-end process for its
-#: metrics, inherited by the processes vLLM starts (``kvqueue._metrics``).
+#: metrics, inherited by the processes vLLM starts (``kvqueue.vllm._metrics``).
 METRICS_DIR = "KVQUEUE_METRICS_DIR"
 
 #: Every variable a user sets, in the order ``python -m kvqueue`` and the README list them,

@@ -70,7 +70,7 @@ class _ToVLLMLog(logging.Handler):
         target = logging.getLogger("vllm")
         if target.handlers:
             # vLLM's format prints the file name: name the package too, so that a line of
-            # kvqueue's (`[kvqueue/vllm.py:42]`) does not read as one of vLLM's own files.
+            # kvqueue's (`[kvqueue/vllm/__init__.py:42]`) does not read as one of vLLM's own files.
             record = logging.makeLogRecord(record.__dict__)
             record.filename = f"kvqueue/{record.filename}"
             # vLLM's handlers only, less any the record reached already through the

@@ -1,4 +1,4 @@
-"""The one choice of twin: the queue class and the pool guard's screens that go with it.
+"""The one choice of twin: which queue class ``import kvqueue`` and kvqueue.vllm use.
 
 ``import kvqueue`` makes the ``"auto"`` choice once (:func:`load`); ``kvqueue.vllm.install``
 and ``python -m kvqueue`` read that choice (:func:`loaded`) or name a twin (:func:`named`),
@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 from dataclasses import dataclass
-from types import ModuleType
 
 from . import _env
 
@@ -20,12 +19,11 @@ __all__ = ("Twin", "load", "loaded", "named")
 @dataclass(frozen=True)
 class Twin:
     """``name``: ``"cython"`` or ``"python"``; ``queue``: its ``FreeKVCacheBlockQueue``;
-    ``screen``: its screens for the pool guard; ``why``: the reason it was chosen, in words;
+    ``why``: the reason it was chosen, in words;
     ``failed``: why the compiled twin, wanted, could not be imported ("" if it was not)."""
 
     name: str
     queue: type
-    screen: ModuleType
     why: str
     failed: str = ""
 
@@ -83,18 +81,16 @@ def named(implementation: str) -> Twin:
 
 
 def _compiled() -> Twin:
-    from ._queue import FreeKVCacheBlockQueue  # isort: skip (its error names the queue)
-    from . import _screen
+    from ._queue import FreeKVCacheBlockQueue
 
     why = "the compiled twin (kvqueue._queue) imported"
-    return Twin("cython", FreeKVCacheBlockQueue, _screen, why)
+    return Twin("cython", FreeKVCacheBlockQueue, why)
 
 
 def _pure(why: str, *, failed: str = "") -> Twin:
-    from . import _screen_py
     from ._queue_py import FreeKVCacheBlockQueue
 
-    return Twin("python", FreeKVCacheBlockQueue, _screen_py, why, failed)
+    return Twin("python", FreeKVCacheBlockQueue, why, failed)
 
 
 def _installed(name: str) -> bool:

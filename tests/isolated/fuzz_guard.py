@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any
 
-from kvqueue import _pool_guard
-from kvqueue._vllm_lines import LINES
+from kvqueue.vllm import _pool_guard
+from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import guarded, make_pool, policy_of, screen_of, state
 from support.fuzz_common import Stats, main, well_formed
@@ -121,10 +121,12 @@ def run(name: str, seed: int, ops: int) -> Stats:
     # twin (KVQUEUE_PURE=1, no compiler) has the pure screen only.
     try:
         other = importlib.import_module(
-            "kvqueue._screen_py" if mod.__name__ == "kvqueue._queue" else "kvqueue._screen"
+            "kvqueue.vllm._screen_py"
+            if mod.__name__ == "kvqueue._queue"
+            else "kvqueue.vllm._screen"
         )
     except ModuleNotFoundError:
-        other = importlib.import_module("kvqueue._screen_py")
+        other = importlib.import_module("kvqueue.vllm._screen_py")
     of = RNG.choice(LINES)
     COUNTS["line"] = LINES.index(of)
     logger = logging.getLogger("kvqueue")

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvqueue._vllm_lines import LINES
+from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, screen_of
 

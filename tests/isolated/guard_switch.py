@@ -16,7 +16,7 @@ import logging
 import sys
 import threading
 
-from kvqueue import _pool_guard
+from kvqueue.vllm import _pool_guard
 
 from support.fake_pool import line, make_pool, policy_of, pool_class, screen_of, state
 from support.twins import twin

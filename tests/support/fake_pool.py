@@ -1,7 +1,7 @@
 """A stand-in for vLLM's ``BlockPool`` of each line, for the pool guard's shared tests.
 
 Not vLLM's code: a model of what each line's guarded methods do to reference counts and
-the free list, as ``kvqueue._vllm_lines`` describes the lines (the real classes are
+the free list, as ``kvqueue.vllm._lines`` describes the lines (the real classes are
 tested in vllm_tests/). Each :func:`pool_class` call makes a new class, defined in this
 module as vLLM's is in its own (the guard accepts only such methods, or its own guards),
 so that a test can guard it and throw it away.
@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from kvqueue import _pool_guard
-from kvqueue._vllm_lines import LINES, Line
+from kvqueue.vllm import _pool_guard
+from kvqueue.vllm._lines import LINES, Line
 
 from support.blocks import VllmStyleBlock, layout
 
-SCREENS = {"kvqueue._queue": "kvqueue._screen", "kvqueue._queue_py": "kvqueue._screen_py"}
+SCREENS = {"kvqueue._queue": "kvqueue.vllm._screen", "kvqueue._queue_py": "kvqueue.vllm._screen_py"}
 
 
 def line(name: str) -> Line:

@@ -30,7 +30,8 @@ import sys
 import tempfile
 from typing import Any
 
-from . import _env, _log, _policy, _report
+from .. import _env, _log, _policy
+from . import _report
 
 __all__ = ("FINDINGS", "INFO", "REFUSALS", "REPAIRS", "combinations", "start")
 

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _log, _policy, _render
+from .. import _log, _policy, _render
 
 __all__ = (
     "audit_findings",

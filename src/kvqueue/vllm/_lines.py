@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 from typing import Any
 
-from . import _errors
+from .. import _errors
 
 __all__ = (
     "LINES",

@@ -4,17 +4,17 @@ vLLM's ``BlockPool`` builds its free list with the name ``FreeKVCacheBlockQueue`
 ``vllm.v1.core.block_pool`` imports from ``vllm.v1.core.kv_cache_utils``. :func:`install`
 rebinds that name, in every loaded ``vllm.*`` module that holds it, to a stand-in class whose
 call builds kvqueue's queue (``isinstance`` against the name still holds), and guards the
-``BlockPool`` methods that move reference counts (``kvqueue._pool_guard``). vLLM's own
+``BlockPool`` methods that move reference counts (``kvqueue.vllm._pool_guard``). vLLM's own
 ``KVCacheBlock`` is left unchanged. Pools built after :func:`install` use kvqueue; pools built
 before keep the queue they have.
 
 Before it changes anything, :func:`install` checks the installed vLLM against the table of
-accepted lines (``kvqueue._vllm_lines``, each proven by its own release's suites): its
+accepted lines (``kvqueue.vllm._lines``, each proven by its own release's suites): its
 version, its ``KVCacheBlock`` fields, its queue's methods and its pool's guarded methods.
 Anything else raises :class:`VLLMLayoutError` and leaves vLLM untouched. Importing this
 module does not import vLLM.
 
-vLLM's plugin entry point (group ``vllm.general_plugins``) is ``kvqueue._vllm_plugin.plugin``,
+vLLM's plugin entry point (group ``vllm.general_plugins``) is ``kvqueue.vllm._plugin.plugin``,
 which calls :func:`install` when ``KVQUEUE_VLLM`` asks. It patches the calling
 process; vLLM's engine core runs in a child process, which a fork (vLLM's default) inherits
 the patch into and which the plugin, called in every process vLLM starts, patches otherwise.
@@ -31,11 +31,12 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from . import _errors, _foreign, _log, _policy, _pool_guard, _rules, _twin, _vllm_lines
-from ._block import check_block_type
-from ._errors import HolderAuditError, VLLMLayoutError
+from .. import _errors, _log, _policy, _twin
+from .._block import check_block_type
+from .._errors import HolderAuditError, VLLMLayoutError
+from . import _foreign, _lines, _pool_guard, _rules
+from ._lines import Line
 from ._report import audit_findings, audited_steps, pool_repairs
-from ._vllm_lines import Line
 
 __all__ = (
     "HolderAuditError",
@@ -169,7 +170,7 @@ def install(
         on_misuse = _policy.resolve(on_misuse)
     _rules.audit_every()  # a bad KVQUEUE_AUDIT_EVERY raises here, before anything changes
     twin = _twin.named(implementation)
-    queue_class, name, screen = twin.queue, twin.name, twin.screen
+    queue_class, name, screen = twin.queue, twin.name, _pool_guard.screens(twin.name)
     with _lock:
         state = _installed
         if state is None:
@@ -235,9 +236,7 @@ def _checked(
     ):
         raise VLLMLayoutError(f"{_MANAGER} defines no KVCacheManager.new_step_starts")
     version = _version(vllm)
-    line = _vllm_lines.line_of(
-        version, block_class, original, pool_class, check_version=check_version
-    )
+    line = _lines.line_of(version, block_class, original, pool_class, check_version=check_version)
     try:
         check_block_type(block_class)
     except TypeError as exc:

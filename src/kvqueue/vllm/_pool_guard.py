@@ -10,7 +10,7 @@ guard follows whatever the installed vLLM does. What the screen flags goes to th
 method's rule in ``_rules``, which refuses or repairs it under the pool's policy
 (:class:`PoolPolicy`: its queue's ``on_misuse``, else the one given to ``install()``).
 
-Each guard follows its vLLM line (``kvqueue._vllm_lines.Line``): the parameters of the
+Each guard follows its vLLM line (``kvqueue.vllm._lines.Line``): the parameters of the
 method it wraps (0.34's ``free_blocks`` takes ``evict_first`` too, passed on as given),
 whether blocks name their pool (0.30+) and how (0.34+: by a weak reference, the pool's
 ``_weak_self``), and whether ``free_blocks`` decrements every occurrence before it queues
@@ -31,10 +31,20 @@ from operator import index
 from types import ModuleType
 from typing import Any
 
-from . import _block, _errors, _foreign, _policy, _report, _rules
+from .. import _block, _errors, _policy
+from . import _foreign, _report, _rules
 from ._report import pool_repairs
 
-__all__ = ("AUDITED", "GUARDED", "guard", "in_place", "originals", "pool_repairs", "unguard")
+__all__ = (
+    "AUDITED",
+    "GUARDED",
+    "guard",
+    "in_place",
+    "originals",
+    "pool_repairs",
+    "screens",
+    "unguard",
+)
 
 #: The methods guarded, in the order a request meets them.
 GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
@@ -61,6 +71,18 @@ class PoolPolicy:
     def __call__(self, pool: Any) -> _policy.MisusePolicy:
         own = getattr(pool.free_block_queue, "on_misuse", None)
         return _policy.resolve(own if own in ("raise", "repair") else self.default)
+
+
+def screens(twin: str) -> ModuleType:
+    """The screens of twin ``twin`` (``"cython"`` or ``"python"``): a guard screens with
+    the twin its pool's queue is, compiled with compiled."""
+    if twin == "cython":
+        from . import _screen
+
+        return _screen
+    from . import _screen_py
+
+    return _screen_py
 
 
 _MISSING: Any = object()
@@ -184,7 +206,7 @@ def guard(
     correct_only: bool = False,
 ) -> dict[str, Any]:
     """Replace each guarded method ``pool_class`` has with its guard for vLLM ``line``
-    (a ``kvqueue._vllm_lines.Line``), under ``policy``; return the originals.
+    (a ``kvqueue.vllm._lines.Line``), under ``policy``; return the originals.
     ``correct_only``: with the guard off, :data:`CORRECTED` queues a block once, unscreened.
 
     A method that is kvqueue's guard already is replaced by the new guard in one

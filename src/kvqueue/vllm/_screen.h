@@ -6,7 +6,7 @@
 #ifndef KVQUEUE_SCREEN_H
 #define KVQUEUE_SCREEN_H
 
-#include "_member.h"
+#include "../_member.h"
 
 /* The byte offset of instances of `tp` at which attribute `name` is stored, when an
    instance's read of `name` is exactly that slot's: `tp` is a plain class (metaclass

@@ -11,7 +11,8 @@ import os
 from importlib import metadata
 from typing import Any, Literal
 
-from . import _env, _errors, _log, _metrics, _policy, _rules
+from .. import _env, _errors, _log, _policy
+from . import _metrics, _rules
 
 __all__ = ("Plan", "plan", "plugin")
 
@@ -63,7 +64,7 @@ def plan() -> Plan:
     if problems:
         why = "; ".join(problems)
         return Plan("refuse", why, error=ValueError(why), problems=problems)
-    from . import vllm
+    from .. import vllm
 
     implementation, strict = asked
     state = vllm.status()
@@ -120,7 +121,7 @@ def plugin() -> None:
         _stay_off(decided.reason)
         _metrics.start(_not_active(decided.reason))
         return
-    from . import vllm
+    from .. import vllm
 
     assert decided.settings is not None
     before = vllm.status()

@@ -1,7 +1,7 @@
 """The pool guard's screens, pure Python: the twin of ``_screen.pyx``.
 
 Each screen reads blocks and changes nothing: it runs on every guarded call of
-vLLM's ``BlockPool`` (kvqueue/_pool_guard.py), before vLLM's own method, and
+vLLM's ``BlockPool`` (kvqueue/vllm/_pool_guard.py), before vLLM's own method, and
 answers where the first misuse is, or that there is none. A block is whatever
 vLLM's pool holds: any object with ``ref_cnt``, ``is_null`` and (vLLM 0.30+)
 ``pool``, the pool or (0.34+) a weak reference to it.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 from weakref import ReferenceType
 
-from ._block import is_subtype
+from .._block import is_subtype
 
 __all__ = (
     "HOLDER_FAULTS",

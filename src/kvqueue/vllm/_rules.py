@@ -52,7 +52,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import _block, _env, _errors, _log, _render, _report
+from .. import _block, _env, _errors, _log, _render
+from . import _report
 
 __all__ = ("audit_every", "audit_holders")
 
