@@ -3,7 +3,7 @@
 #   make test             the suite, both twins, against kvqueue installed into .venv-<python>
 #                         (the test extra: pytest, hypothesis); PYTHON=python3.13 make test runs
 #                         3.13 in its own .venv-cpython-3.13.x
-#   make lint             ruff, mypy, cython-lint (the lint extra), in .venv-lint-<python>
+#   make lint             ruff, mypy, cython-lint, actionlint (the lint extra), in .venv-lint-<python>
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-screens    the guard's compiled screen against a baseline (bench/screens.py)
 #   make bench-audit      the holder audit's screen by blocks listed, both twins (bench/audit.py)
@@ -79,6 +79,7 @@ lint: $(LINT_VENV)/.ready
 	$(LINT_PY) -m ruff format --check src tests bench examples vllm_tests .ci
 	$(LINT_PY) -m mypy
 	PATH="$(LINT_VENV)/bin:$$PATH" cython-lint src/kvqueue/_queue.pyx src/kvqueue/vllm/_screen.pyx
+	$(LINT_VENV)/bin/actionlint .github/workflows/*.yml
 
 # What bench/ takes from vllm_tests/ (sdist: the pin and the fetcher; live: the live engine) it
 # imports by this path, which the benchmark's spawned processes inherit.

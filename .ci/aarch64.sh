@@ -146,7 +146,8 @@ for v in "${MINORS[@]}"; do
         log "aarch64 test dependencies for $tag"
         rm -rf "$TD"
         "$BV/bin/python" -m pip install -q --target "$TD" --platform manylinux2014_aarch64 \
-            --python-version "$v" --implementation cp --abi "$tag" --only-binary=:all: pytest hypothesis
+            --python-version "$v" --implementation cp --abi "$tag" --only-binary=:all: \
+            $("$BV/bin/python" "$ROOT/.ci/build_requires.py" --test)
         "$BV/bin/python" -m compileall -q -j1 -s "$TD" -p /deps "$TD" >/dev/null || true
         touch "$TD/.ready"
     fi

