@@ -19,7 +19,7 @@ def demo() -> ModuleType:
 def test_a_failed_venv_build_is_one_message(
     demo: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    """Issue 31, item 11: venv.sh's own messages, then one line saying it failed (was a
+    """Venv.sh's own messages, then one line saying it failed (was a
     CalledProcessError traceback)."""
     (tmp_path / "venv.sh").write_text("echo 'venv.sh: no python3.11' >&2\nexit 4\n")
     monkeypatch.setattr(demo, "VLLM_TESTS", tmp_path)
@@ -30,7 +30,7 @@ def test_a_failed_venv_build_is_one_message(
 
 
 def test_the_verdict_says_what_each_contender_served(demo: ModuleType) -> None:
-    """Issue 31, item 11: vLLM alone's engine died with requests unserved; raise stopped
+    """VLLM alone's engine died with requests unserved; raise stopped
     before serving anything wrong; lines of at most 100 columns."""
     counts = {
         "vLLM alone": {"right": 33, "wrong": 7, "unserved": 20},

@@ -73,7 +73,7 @@ def test_fuzz_program(program: str, twin: str, seed: int) -> None:
 @pytest.mark.c_extension
 @pytest.mark.parametrize("run", range(3))
 def test_guard_switch_under_load_does_not_crash(run: int) -> None:
-    """Issue 31: a guard replaced while another thread calls it was freed inside the
+    """A guard replaced while another thread calls it was freed inside the
     assignment, before the class's caches dropped it (9 of 10 runs of 20,000 switches died
     of SIGSEGV before the fix)."""
     done = run_isolated("guard_switch", "20000", timeout=TIMEOUT)

@@ -160,7 +160,7 @@ def _narrow(done: subprocess.CompletedProcess[str]) -> None:
 
 
 def test_strict_mode_refuses_a_bad_pure_value(tmp_path: Any) -> None:
-    """Issue 31, items 2 and 5: KVQUEUE_VLLM=1 with a bad KVQUEUE_PURE: the plan stops
+    """KVQUEUE_VLLM=1 with a bad KVQUEUE_PURE: the plan stops
     vLLM, and the report does not claim a twin that import kvqueue would not load."""
     env = {"KVQUEUE_VLLM": "1", "KVQUEUE_PURE": "yes", "PYTHONPATH": _fake_vllm(tmp_path)}
     result = report(**env)
@@ -201,7 +201,7 @@ def test_the_plugin_raises_where_vllms_loader_imports_kvqueue(tmp_path: Any) -> 
     "body", ["raise RuntimeError('libcudart.so.12: cannot open')", "import sys; sys.exit(3)"]
 )
 def test_a_vllm_that_fails_on_import_is_a_problem(tmp_path: Any, body: str) -> None:
-    """Issue 31, item 4: one problem line, one JSON object, no traceback."""
+    """One problem line, one JSON object, no traceback."""
     env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path, **{"vllm/__init__.py": body})}
     result = report(**env)
     assert result["plugin"]["action"] == "refuse"
@@ -212,7 +212,7 @@ def test_a_vllm_that_fails_on_import_is_a_problem(tmp_path: Any, body: str) -> N
 
 
 def test_a_plugin_that_patches_a_guarded_method_first_is_in_the_plan(tmp_path: Any) -> None:
-    """Issue 31, item 3: the plan reads what vLLM's other plugins patched before kvqueue's."""
+    """The plan reads what vLLM's other plugins patched before kvqueue's."""
     env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path)}
     result = report(**env)
     assert result["plugin"]["action"] == "refuse"
@@ -221,7 +221,7 @@ def test_a_plugin_that_patches_a_guarded_method_first_is_in_the_plan(tmp_path: A
 
 
 def test_a_plugin_vllm_does_not_call_is_not_said_to_install(tmp_path: Any) -> None:
-    """Issue 31, item 5: no 'installs kvqueue' before the line that says vLLM will not call
+    """No 'installs kvqueue' before the line that says vLLM will not call
     it; VLLM_PLUGINS unset is said so; the twin is named, not 'auto'; lines fit 100 columns."""
     env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path)}
     done = run(**env, VLLM_PLUGINS="other")

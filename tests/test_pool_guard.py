@@ -156,7 +156,7 @@ def test_null_blocks_keep_vllms_handling(queue_mod: ModuleType, each_line: Line)
         consistent(pool)
 
 
-# --- issue 24, item 5: the wrapped method's own parameters ------------------------------
+# --- the wrapped method's own parameters, whatever the line names them ------------------
 
 
 def test_the_guard_takes_vllms_keywords(queue_mod: ModuleType, each_line: Line, quiet: Any) -> None:
@@ -294,7 +294,7 @@ def test_another_pools_misuse_raises_before_anything_is_freed(
 def test_a_stray_block_is_refused_before_any_count_moves(
     queue_mod: ModuleType, method: str, quiet: Any
 ) -> None:
-    """Issue 31, item 7: a block vLLM would count and queue here, which this pool's queue
+    """A block vLLM would count and queue here, which this pool's queue
     refuses (of no pool; to unpin_blocks, of another pool too), is refused up front under
     "raise": vLLM had moved every count, and the queue's refusal left the rest at 0, lost."""
     for of in LINES:
@@ -479,7 +479,7 @@ def test_a_raising_log_filter_does_not_fail_a_repaired_call(
 
 
 def test_a_wraps_wrapper_is_named_by_where_its_code_is(queue_mod: ModuleType) -> None:
-    """Issue 31, item 6: a functools.wraps wrapper over a guarded method is named by the
+    """A functools.wraps wrapper over a guarded method is named by the
     file and line of its code, not by the name it copied from vLLM's method."""
     cls = pool_class(NEWEST)
     vllms = cls.__dict__["free_blocks"]

@@ -55,7 +55,7 @@ def test_the_table_of_lines_is_the_codes() -> None:
 
 
 def test_a_newcomer_is_told_what_the_demo_needs() -> None:
-    """Issue 31, items 9, 10, 5: the demo's interpreter, disk, time, venv, other lines and
+    """The demo's interpreter, disk, time, venv, other lines and
     torch; which releases are accepted; and the README stays short."""
     if not README.exists():
         pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")

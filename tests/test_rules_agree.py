@@ -1,5 +1,5 @@
 """The screens and the rules agree: what a screen passes, the slow path would not refuse or
-repair, and what it flags, the slow path finds (issue 32 item 1). The screens decide alone
+repair, and what it flags, the slow path finds. The screens decide alone
 on the fast path, so a case where they miss what the rules would find is a misuse let
 through; seeded batches over every line, both twins' screens."""
 

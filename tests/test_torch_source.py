@@ -33,7 +33,7 @@ def test_the_check_downloads_nothing_and_says_what_to_set(
     cuda: str,
     status: int,
 ) -> None:
-    """Issue 31, item 10: only pip's listing is read (a dry run of the install downloaded
+    """Only pip's listing is read (a dry run of the install downloaded
     the 526 MB wheel); a refusal is one line naming both settings and their sizes."""
     commands: list[list[str]] = []
 

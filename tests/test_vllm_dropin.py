@@ -795,7 +795,7 @@ def test_a_bad_audit_cadence_is_refused_before_anything_changes(
 def test_a_later_patch_over_a_guard_is_reported_and_refused(
     fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 31, item 3: another project's patch over a guard after install() bypasses it:
+    """Another project's patch over a guard after install() bypasses it:
     status(), the plugin's log line and its plan say so, install() again refuses it (or,
     wrap_foreign, guards it again), as a first install would."""
 
@@ -832,7 +832,7 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
 def test_a_block_freed_by_each_of_its_references_in_one_call_is_kept(
     monkeypatch: pytest.MonkeyPatch, queue_mod: ModuleType, pool_guard: bool
 ) -> None:
-    """Issue 31, item 8: vLLM 0.23 queues such a block once per occurrence, which the queue
+    """VLLM 0.23 queues such a block once per occurrence, which the queue
     refuses under "raise" after vLLM released every count; with the guard off too, the
     block is queued once, at 0, not lost."""
     (oldest,) = [line for line in LINES if line.counts_first]

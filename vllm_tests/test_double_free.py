@@ -337,7 +337,7 @@ def test_vllm_023_queues_a_block_held_twice_and_listed_twice_twice(monkeypatch):
 @pytest.mark.parametrize("pool_guard", [True, False])
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_kvqueue_queues_a_block_held_twice_and_listed_twice_once(kind, pool_guard, monkeypatch):
-    """Issue 31, item 8: the queue refuses a block twice in one batch, after vLLM 0.23
+    """The queue refuses a block twice in one batch, after vLLM 0.23
     released every count; with the guard off too, it is queued once and not lost."""
     pool = new_pool(kind, "raise", monkeypatch, pool_guard=pool_guard)
     (block,) = pool.get_new_blocks(1)
@@ -627,7 +627,8 @@ def test_uninstall_restores_every_method_exactly():
         name for name, value in vars(BlockPool).items() if value is not before.get(name)
     } == guarded
     kvqueue_vllm.install("python", pool_guard=False)
-    # With the guard off, 0.23's free_blocks keeps kvqueue's correction (issue 31, item 8).
+    # With the guard off, 0.23's free_blocks keeps kvqueue's correction, or a block
+    # it is given as many times as it holds references would be lost.
     corrected = {"free_blocks"} if LINE.counts_first else set()
     assert {
         name for name, value in vars(BlockPool).items() if value is not before.get(name)
@@ -676,7 +677,7 @@ def test_a_log_handler_that_calls_back_into_the_pool(kind, monkeypatch):
 )
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_a_stray_block_vllm_would_queue_is_refused_first(kind, monkeypatch):
-    """Issue 31, item 7: a block of no pool that free_blocks would take to 0 (vLLM counts it
+    """A block of no pool that free_blocks would take to 0 (vLLM counts it
     as the pool's, and kvqueue's queue refuses it) is refused before any count moves; it
     left the pool's own blocks at ref_cnt 0 in no list."""
     pool = new_pool(kind, "raise", monkeypatch)

@@ -1,7 +1,7 @@
-"""The pool guard against hostile use, on vLLM's real ``BlockPool`` (issue 24, items 2-5, 8,
-11, 15): run with pytest in the vLLM venv (vllm_tests/venv.sh), or in it with another line's
-wheel first on ``PYTHONPATH``; each test follows the installed line (kvqueue.vllm._lines).
-The same items on a stand-in pool of every line, both twins: tests/test_pool_guard.py.
+"""The pool guard against hostile use, on vLLM's real ``BlockPool``: run with pytest in the vLLM
+venv (vllm_tests/venv.sh), or in it with another line's wheel first on ``PYTHONPATH``; each test
+follows the installed line (kvqueue.vllm._lines).
+The same cases on a stand-in pool of every line, both twins: tests/test_pool_guard.py.
 """
 
 from __future__ import annotations

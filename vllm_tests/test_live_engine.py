@@ -296,7 +296,7 @@ def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> Non
 # twins' sameness is what vLLM's suites, run three ways, prove.
 @pytest.mark.parametrize("twin", ["python"])
 def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
-    """Issue 24 item 3: a held block in the free list of a full pool, which counts it free.
+    """A held block in the free list of a full pool, which counts it free.
     Its holder lists it, so the holder audit takes it out where the next step starts, before
     the scheduler counts it: the engine serves every request, each one right. The block was
     planted without a free, so only a full read of the listings finds it (every step here;

@@ -248,7 +248,7 @@ def step(pool: Any, pools: list[Any], held: dict[int, list[Any]], of: Any) -> No
     except ValueError as exc:
         message = str(exc)
         if message.startswith("Cannot get"):
-            COUNTS["shortfalls"] += 1  # issue 24 item 3: still vLLM's error
+            COUNTS["shortfalls"] += 1  # a shortfall is vLLM's own error, the guard's none
             return
         # Only the "raise" pool refuses a misuse, be it this pool or the one it hands to.
         assert f"BlockPool at {id(strict):#x}" in message, message

@@ -1,4 +1,5 @@
-"""A live vLLM 0.33.0 engine on the CPU with a stub model, for kvqueue's engine-level tests.
+"""A live vLLM engine (the release vllm.env pins) on the CPU with a stub model, for kvqueue's
+engine-level tests.
 
 ``model`` writes a config-only model directory, ``executor`` is the stub model executor vLLM
 runs in its engine-core process, ``scheduler`` is vLLM's own scheduler with a check of the

@@ -145,7 +145,7 @@ LINES: tuple[Line, ...] = (
 
 
 def accepted() -> str:
-    """The accepted lines for a message: ``0.23, 0.24, ..., 0.33``."""
+    """The accepted lines for a message, oldest first: ``0.23, 0.24, ...``."""
     return ", ".join(line.name for line in LINES)
 
 

@@ -245,7 +245,7 @@ def _assign(pool_class: type, name: str, value: object) -> None:
     assignment has returned. CPython frees a replaced class attribute inside the assignment,
     before it invalidates the caches that hold it borrowed (the type's, each call site's);
     a guard's last reference freed there runs ``forget``, where threads can switch, and a
-    call on another thread found the freed function in its cache (SIGSEGV, issue 31)."""
+    call on another thread found the freed function in its cache (SIGSEGV)."""
     replaced = _namespace(pool_class).get(name)
     setattr(pool_class, name, value)
     del replaced
