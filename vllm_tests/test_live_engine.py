@@ -300,7 +300,9 @@ def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
     Its holder lists it, so the holder audit takes it out where the next step starts, before
     the scheduler counts it: the engine serves every request, each one right. The block was
     planted without a free, so only a full read of the listings finds it (every step here;
-    by default every KVQUEUE_AUDIT_EVERY steps, else get_new_blocks' guard when it meets it)."""
+    by default every KVQUEUE_AUDIT_EVERY steps, else get_new_blocks' guard when it meets it).
+    Its holder may finish before that step starts (how soon depends on the host's load): then
+    the guard of that holder's free takes it out, a free of a block linked already."""
     run = runs.get(
         SETTING[twin], "repair", "C", args=FULL_POOL, extra_env={"KVQUEUE_AUDIT_EVERY": "1"}
     )
@@ -312,7 +314,9 @@ def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
     ]
     assert_served(run)
     assert run.events("violation")[-1]["found"] == []  # exact again once repaired
-    assert run.events("repairs")[-1]["counters"]["listed_free"] == 1
+    counters = run.events("repairs")[-1]["counters"]
+    found = (counters.get("listed_free", 0), counters.get("held_free", 0))
+    assert found in ((1, 0), (0, 1)), counters
 
 
 # -- form D: a free that releases a reference its holder still lists ------------------------
@@ -343,7 +347,9 @@ def test_raise_stops_where_the_next_step_starts(runs: Runs) -> None:
 def test_repair_keeps_the_block_with_its_holder(runs: Runs, twin: str) -> None:
     run = runs.get(SETTING[twin], "repair", "D")
     assert_served(run)
-    assert run.events("repairs")[-1]["counters"]["listed_free"] == 1
+    counters = run.events("repairs")[-1]["counters"]
+    found = (counters.get("listed_free", 0), counters.get("held_free", 0))
+    assert found in ((1, 0), (0, 1)), counters
     logged = [e for e in run.events("log") if "holder audit repaired" in e["message"]]
     assert len(logged) == 1
 
