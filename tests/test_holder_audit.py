@@ -398,3 +398,49 @@ def test_recent_frees_are_the_last_batches_kept() -> None:
     assert _report.frees_made() == made + 5
     assert _report.recent_frees(2) == [batches[4], batches[3]]
     assert _report.recent_frees(_report._FREES + 1) is None
+
+
+@pytest.fixture
+def refusing(queue_mod: ModuleType) -> Iterator[tuple[Any, Any]]:
+    yield from audited_pool(queue_mod, "raise")
+
+
+def test_a_retried_step_raises_again_while_the_fault_stands(
+    queue_mod: ModuleType, refusing: tuple[Any, Any]
+) -> None:
+    """A caller that catches HolderAuditError and starts the step again (an in-process
+    engine, a harness with retries) is refused again: the audit did not move past the free
+    that made the fault."""
+    pool, manager = refusing
+    table = manager.coordinator.single_type_managers[0].req_to_blocks
+    step(queue_mod, manager, 64)
+    table["A"] = pool.get_new_blocks(3)
+    block = table["A"][1]
+    pool.free_blocks([block])  # A's only reference, released while A lists it
+    before = state(pool)
+    for _ in range(3):
+        with pytest.raises(_errors.HolderAuditError, match=f"block {block.block_id} is in the"):
+            step(queue_mod, manager, 64)
+        assert state(pool) == before
+    # The fault gone (A's listing given up, its other blocks freed), the step passes.
+    listed = table.pop("A")
+    pool.free_blocks([listed[2], listed[0]])
+    step(queue_mod, manager, 64)
+    consistent(pool)
+
+
+def test_a_retried_full_read_raises_again(queue_mod: ModuleType, refusing: tuple[Any, Any]) -> None:
+    """A fault no free shows (a listing made without a reference) is found by a full read;
+    the step retried reads everything again, not the frees since."""
+    pool, manager = refusing
+    first, second = (m.req_to_blocks for m in manager.coordinator.single_type_managers)
+    step(queue_mod, manager, 2)
+    first["A"] = pool.get_new_blocks(2)
+    second["A"] = first["A"][:1]
+    step(queue_mod, manager, 2)
+    for _ in range(3):
+        with pytest.raises(_errors.HolderAuditError, match="is listed by two managers"):
+            step(queue_mod, manager, 2)
+    del second["A"]
+    step(queue_mod, manager, 2)
+    step(queue_mod, manager, 2)

@@ -77,7 +77,8 @@ def audit_holders(
     blocks); at the steps between, only the listings of blocks a guarded free released
     since the last audit are (each other listing is compared by address, unread), and
     not at all when nothing was freed: a free that releases a reference a live request
-    holds is found at the next step either way.
+    holds is found at the next step either way. An audit that raises reads the same frees
+    again at the next call.
 
     Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
     ``ref_cnt`` that is no integer.
@@ -92,25 +93,31 @@ def audit_holders(
     only = None
     try:
         place = _places.get(manager)
-        if place is None:  # a manager's first audit reads everything
-            _places[manager] = [made, 0]
     except TypeError:  # a manager no weak reference can name: read everything each time
-        place = None
-    if place is not None:
-        new, place[0] = made - place[0], made
-        place[1] += 1
-        if place[1] >= every:
-            place[1] = 0
-        elif new == 0:
+        place, kept = None, False
+    else:
+        kept = True
+    steps = 0  # since the last full read, this one included
+    if place is not None:  # a manager's first audit reads everything
+        steps = place[1] + 1
+        if steps >= every:
+            steps = 0
+        elif made == place[0]:
+            place[1] = steps
             return
         else:
-            only = _report.recent_frees(new)
+            only = _report.recent_frees(made - place[0])
             if only is None:  # more frees than are kept: read everything
-                place[1] = 0
+                steps = 0
     managers = [m for m in coordinator.single_type_managers if not _unpins(type(m))]
     found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
         _found(pool, managers, found, policy(pool))
+    # Past the frees it read only once nothing was raised: a step retried after
+    # HolderAuditError (the pool as it was) reads them again, and raises again while the
+    # fault stands.
+    if kept:
+        _places[manager] = [made, steps]
 
 
 def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str) -> None:
