@@ -27,7 +27,7 @@ import sched_engine
 from launch import bootstrap_median, interval
 from sched_engine import WORKLOADS
 
-from kvqueue.vllm import _pool_guard, _rules
+from kvqueue.vllm import _audit, _pool_guard
 from kvqueue.vllm._pool_guard import GUARDED
 
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
@@ -212,7 +212,7 @@ def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe
             undo.enter_context(patch.object(BlockPool, m, probe.inner(BlockPool.__dict__[m])))
         undo.callback(kvqueue.vllm.uninstall)
         # The step guard takes the audit when it is made: timed from the install on.
-        undo.enter_context(patch.object(_rules, "audit_holders", probe.audit(_rules.audit_holders)))
+        undo.enter_context(patch.object(_audit, "audit_holders", probe.audit(_audit.audit_holders)))
         kvqueue.vllm.install(twin, pool_guard=guard, wrap_foreign=True)  # type: ignore[arg-type]
         for m in own:
             installed = BlockPool.__dict__[m]

@@ -1,5 +1,5 @@
 """The holder audit: ``holder_faults`` (both screens) against an oracle that recounts the slow
-way, and the rule (``_rules.audit_holders``) on a stand-in pool under both policies.
+way, and the rule (``_audit.audit_holders``) on a stand-in pool under both policies.
 
 The real ``Scheduler`` of every line is vllm_tests/test_holder_audit.py's.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvqueue import _errors
-from kvqueue.vllm import _report, _rules
+from kvqueue.vllm import _audit, _report
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import (
@@ -247,7 +247,7 @@ def test_raise_names_the_block_and_its_holder_and_changes_nothing(
     before = state(pool)
     findings = _report.audit_findings()
     with pytest.raises(_errors.HolderAuditError) as caught:
-        _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+        _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
     message = str(caught.value)
     assert f"block {block.block_id} is in the free list (ref_cnt 0)" in message
     assert "request 'B' (FullAttentionManager)" in message
@@ -270,7 +270,7 @@ def test_raise_names_the_guarded_free_that_released_the_block(queue_mod: ModuleT
         line = sys._getframe().f_lineno + 1
         pool.free_blocks(table.pop("A")[::-1])
         with pytest.raises(_errors.HolderAuditError) as caught:
-            _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+            _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
     released = str(caught.value).split("It was last released by a free called from ")[1]
     site = f"tests/test_holder_audit.py:{line} in test_raise_names_the_guarded_free_that"
     assert released.split(". ")[0].endswith(site + "_released_the_block")
@@ -278,7 +278,7 @@ def test_raise_names_the_guarded_free_that_released_the_block(queue_mod: ModuleT
 
 def test_repair_keeps_the_block_with_its_holder(queue_mod: ModuleType, repair_log: Any) -> None:
     pool, manager, block = shared_fault(queue_mod, "repair")
-    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
     assert block.ref_cnt == 1
     assert block.prev_free_block is None
     consistent(pool)
@@ -287,7 +287,7 @@ def test_repair_keeps_the_block_with_its_holder(queue_mod: ModuleType, repair_lo
     assert "holder audit repaired a shared block (listed_free #1 on this pool)" in record.message
     assert "taken out of the free list, ref_cnt 0 -> 1" in record.message
     # Nothing left to find: a second audit is silent.
-    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
     assert _report.pool_repairs(pool)["listed_free"] == 1
 
 
@@ -298,7 +298,7 @@ def test_repair_raises_a_count_to_its_holders(queue_mod: ModuleType) -> None:
     (block,) = pool.get_new_blocks(1)
     first["A"] = [block]
     second["A"] = [block]  # one block in two managers (vLLM issue 43884)
-    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
     assert block.ref_cnt == 2
     assert _report.pool_repairs(pool)["two_managers"] == 1
     consistent(pool)
@@ -315,7 +315,7 @@ def test_a_count_that_is_no_integer_is_refused_under_either_policy(
     block.ref_cnt = "1"
     before = state(pool)
     with pytest.raises(TypeError, match="ref_cnt of str '1', not an integer"):
-        _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+        _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
     assert state(pool) == before
 
 
@@ -327,7 +327,7 @@ def test_hisparse_unpinned_pages_are_not_reported(queue_mod: ModuleType, name: s
     manager.coordinator.single_type_managers[0].req_to_blocks["A"] = [block]
     pool.unpin_blocks([block], lambda b: None)  # read on, counted free: on purpose
     assert block.prev_free_block is not None
-    _rules.audit_holders(manager, screen_of(queue_mod), policy_of)
+    _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -357,7 +357,7 @@ def audited(queue_mod: ModuleType) -> Iterator[tuple[Any, Any]]:
 
 
 def step(queue_mod: ModuleType, manager: Any, every: int) -> None:
-    _rules.audit_holders(manager, screen_of(queue_mod), policy_of, every)
+    _audit.audit_holders(manager, screen_of(queue_mod), policy_of, every)
 
 
 def test_a_guarded_free_of_a_held_block_is_found_at_the_next_step(
@@ -398,3 +398,49 @@ def test_recent_frees_are_the_last_batches_kept() -> None:
     assert _report.frees_made() == made + 5
     assert _report.recent_frees(2) == [batches[4], batches[3]]
     assert _report.recent_frees(_report._FREES + 1) is None
+
+
+@pytest.fixture
+def refusing(queue_mod: ModuleType) -> Iterator[tuple[Any, Any]]:
+    yield from audited_pool(queue_mod, "raise")
+
+
+def test_a_retried_step_raises_again_while_the_fault_stands(
+    queue_mod: ModuleType, refusing: tuple[Any, Any]
+) -> None:
+    """A caller that catches HolderAuditError and starts the step again (an in-process
+    engine, a harness with retries) is refused again: the audit did not move past the free
+    that made the fault."""
+    pool, manager = refusing
+    table = manager.coordinator.single_type_managers[0].req_to_blocks
+    step(queue_mod, manager, 64)
+    table["A"] = pool.get_new_blocks(3)
+    block = table["A"][1]
+    pool.free_blocks([block])  # A's only reference, released while A lists it
+    before = state(pool)
+    for _ in range(3):
+        with pytest.raises(_errors.HolderAuditError, match=f"block {block.block_id} is in the"):
+            step(queue_mod, manager, 64)
+        assert state(pool) == before
+    # The fault gone (A's listing given up, its other blocks freed), the step passes.
+    listed = table.pop("A")
+    pool.free_blocks([listed[2], listed[0]])
+    step(queue_mod, manager, 64)
+    consistent(pool)
+
+
+def test_a_retried_full_read_raises_again(queue_mod: ModuleType, refusing: tuple[Any, Any]) -> None:
+    """A fault no free shows (a listing made without a reference) is found by a full read;
+    the step retried reads everything again, not the frees since."""
+    pool, manager = refusing
+    first, second = (m.req_to_blocks for m in manager.coordinator.single_type_managers)
+    step(queue_mod, manager, 2)
+    first["A"] = pool.get_new_blocks(2)
+    second["A"] = first["A"][:1]
+    step(queue_mod, manager, 2)
+    for _ in range(3):
+        with pytest.raises(_errors.HolderAuditError, match="is listed by two managers"):
+            step(queue_mod, manager, 2)
+    del second["A"]
+    step(queue_mod, manager, 2)
+    step(queue_mod, manager, 2)

@@ -13,7 +13,8 @@ The forms, each a free that releases a reference a live request still holds:
 * ``single``: a connector frees a running request's only reference to its first block; C
   asks for every free block.
 
-Then B (or the running request) is aborted and the scheduler steps once more: C is served.
+A step that raised is started once more, as a caller that catches the error would. Then B
+(or the running request) is aborted and the scheduler steps once more: C is served.
 After every step the pool is checked: its count against its free list, and which blocks
 two live requests list.
 """
@@ -99,6 +100,12 @@ def run(form: str) -> dict[str, Any]:
         step(scheduler, states)
     except Exception as exc:
         result["raised"] = f"{type(exc).__name__}: {exc}"
+        # A caller that catches the error and starts the step again (an in-process engine,
+        # a harness with retries) while the fault stands.
+        try:
+            step(scheduler, states)
+        except Exception as again:
+            result["retried"] = f"{type(again).__name__}: {again}"
     table = listed(scheduler)
     result["c_has_block"] = victim in table.get("C", [])
     result["holder_has_block"] = victim in table.get(holder, [])

@@ -4,7 +4,8 @@ Every line runs this (``run.py``'s LINE_TESTS). The scenario (``holder_scenario.
 its own process from the line's own test files, whose ``create_scheduler`` builds the
 scheduler; it is run once and its results shared. Forms: ``shared`` (a cached prefix block of
 A and B freed once more, A aborted, C asks for every free block) and ``single`` (a running
-request's only reference freed by a connector-like caller).
+request's only reference freed by a connector-like caller). Under ``"raise"`` the step that
+raised is started again, as a caller that catches the error would: it raises again.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def test_raise_stops_the_step_before_the_block_is_handed_out(
     assert "sched/scheduler.py" in message  # the step it stopped
     if form == "shared":  # the abort's free, which the guard saw
         assert "single_type_kv_cache_manager.py" in message
+    assert run["retried"] == message  # the step started again: refused again, alike
     assert not run["c_has_block"]
     assert run["holder_has_block"]
     assert run["in_free_list"]

@@ -338,7 +338,7 @@ def test_raise_stops_where_the_next_step_starts(runs: Runs) -> None:
     assert died["type"] == "HolderAuditError"
     assert f"block {injected['block']} is in the free list" in died["message"]
     assert f"request '{injected['request']}'" in died["message"]
-    assert "kvqueue/vllm/_rules.py" in died["raised_at"] or "_rules.py" in died["raised_at"]
+    assert "kvqueue/vllm/_audit.py" in died["raised_at"] or "_audit.py" in died["raised_at"]
     assert wrong(run) == 0  # stopped before serving anything wrong
     assert run.result["error"] is not None
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from .. import _errors, _log, _policy, _twin
 from .._block import check_block_type
 from .._errors import HolderAuditError, VLLMLayoutError
-from . import _foreign, _lines, _pool_guard, _rules
+from . import _audit, _foreign, _lines, _pool_guard
 from ._lines import Line
 from ._report import audit_findings, audited_steps, pool_repairs
 
@@ -168,7 +168,7 @@ def install(
     global _installed
     if on_misuse is not None:
         on_misuse = _policy.resolve(on_misuse)
-    _rules.audit_every()  # a bad KVQUEUE_AUDIT_EVERY raises here, before anything changes
+    _audit.audit_every()  # a bad KVQUEUE_AUDIT_EVERY raises here, before anything changes
     twin = _twin.named(implementation)
     queue_class, name, screen = twin.queue, twin.name, _pool_guard.screens(twin.name)
     with _lock:

@@ -12,7 +12,7 @@ from importlib import metadata
 from typing import Any, Literal
 
 from .. import _env, _errors, _log, _policy
-from . import _metrics, _rules
+from . import _audit, _metrics
 
 __all__ = ("Plan", "plan", "plugin")
 
@@ -54,7 +54,7 @@ def plan() -> Plan:
     vllm_value_bad = bool(found)
     policy = _read(lambda: _policy.resolve(None), found)
     guard = _read(lambda: _env.flag(_env.POOL_GUARD, default=True), found)
-    every = _read(_rules.audit_every, found)
+    every = _read(_audit.audit_every, found)
     wrap = _read(lambda: _env.flag(_env.WRAP_FOREIGN), found)
     # Read by import kvqueue, which vLLM's loader lets pass a bad value to this plan.
     _read(lambda: _env.flag(_env.PURE), found)

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import _block, _errors, _policy
-from . import _foreign, _report, _rules
+from . import _audit, _foreign, _report, _rules
 from ._report import pool_repairs
 
 __all__ = (
@@ -395,9 +395,9 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
 
 def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
-    audit = _rules.audit_holders
+    audit = _audit.audit_holders
     screen = made.screen
-    every = _rules.audit_every()
+    every = _audit.audit_every()
 
     def new_step_starts(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not made.retired:

@@ -1,8 +1,8 @@
 """What the pool guard and its rules report: the repairs counted per pool, the findings of
 the holder audit counted per process, the log lines, and where a call came from.
 
-Shared by the guard (``_pool_guard``) and its rules (``_rules``), which both report here and
-read nothing back but the counts.
+Shared by the guard (``_pool_guard``), its rules (``_rules``) and the holder audit
+(``_audit``), which all report here and read nothing back but the counts.
 """
 
 from __future__ import annotations

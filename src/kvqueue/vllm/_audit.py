@@ -1,0 +1,206 @@
+"""The holder audit: what live requests list against the pool they allocate from, read
+at the start of each scheduler step (its messages are ``_errors``'s).
+
+A free that releases a reference another live request still holds leaves every count
+adding up at the moment of the call; the block is then queued free while that request
+lists it, and the next allocation hands it to a second request. So at the start of every
+scheduler step (``KVCacheManager.new_step_starts``, which vLLM's ``Scheduler.schedule()``
+calls before it counts or allocates a block), the blocks each manager lists for each live
+request (``req_to_blocks``) are read against the pool:
+
+* a listed block (null blocks aside) is never in the free list (``listed_free``);
+* one request lists one block at most once in one manager (``listed_twice``), and no block
+  is listed by two managers (``two_managers``);
+* no block is listed more times than its ``ref_cnt`` (``under_counted``): every other
+  holder (a prefix hit, copy-on-write, an offload in flight) only raises it.
+
+The screens find these (``holder_faults``, O(listed blocks)); what follows here runs only
+when one is found. ``"raise"``: :class:`~kvqueue._errors.HolderAuditError` before the step
+changes anything, naming the block, its holders, its ``ref_cnt``, the pool, and the call
+that last released it where the guard saw it. ``"repair"``: the block leaves the free list
+and its ``ref_cnt`` is raised to its holders, as vLLM's ``touch`` would have done for each;
+counted per pool (``pool_repairs``) and logged under the rate limit. A ``ref_cnt`` that is
+no integer is a TypeError under either policy, before anything changes.
+
+HiSparse's managers (vLLM 0.31+) keep pages they unpinned listed while those sit in the
+free list, on purpose: their listings are not audited. Other pools' blocks (a CPU pool's)
+are not counted: the audit is of the pool the scheduler allocates from.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .. import _env, _errors, _log, _render
+from . import _report
+
+__all__ = ("audit_every", "audit_holders")
+
+# The manager classes whose listed pages may be free (HiSparse's unpinned pages), by name,
+# so that no vLLM module is imported to know them.
+_UNPINNING = frozenset(
+    ("_HiSparseAuxiliaryManager", "HiSparseResidentManager", "HiSparseHotManager")
+)
+_unpins_cache: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+# Per KVCacheManager: the guarded frees made when it was last audited, and the steps since
+# its last full audit.
+_places: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+# Holders named in a message, at most.
+_SHOWN = 4
+
+
+def _unpins(manager_class: type) -> bool:
+    found = _unpins_cache.get(manager_class)
+    if found is None:
+        found = _unpins_cache[manager_class] = any(
+            cls.__name__ in _UNPINNING for cls in manager_class.__mro__
+        )
+    return found
+
+
+def audit_every() -> int:
+    """Steps between full audits: ``KVQUEUE_AUDIT_EVERY``, read when the guard is made.
+    Raises ValueError for a value it does not take."""
+    return _env.choice(_env.AUDIT_EVERY, _env.EVERY, _env.EVERY_DEFAULT)
+
+
+def audit_holders(
+    manager: Any, screen: ModuleType, policy: Callable[[Any], str], every: int = 1
+) -> None:
+    """The holder audit of vLLM's ``KVCacheManager`` ``manager``: nothing when every
+    listed block is held; else raises or repairs as the pool's policy says.
+
+    Every ``every`` steps (and at a manager's first) every listing is read, O(listed
+    blocks); at the steps between, only the listings of blocks a guarded free released
+    since the last audit are (each other listing is compared by address, unread), and
+    not at all when nothing was freed: a free that releases a reference a live request
+    holds is found at the next step either way. An audit that raises reads the same frees
+    again at the next call.
+
+    Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
+    ``ref_cnt`` that is no integer.
+    """
+    _report.count_audit()
+    coordinator = manager.coordinator
+    pool = coordinator.block_pool
+    blocks = pool.blocks
+    if type(blocks) is not list:
+        return
+    made = _report.frees_made()
+    only = None
+    try:
+        place = _places.get(manager)
+    except TypeError:  # a manager no weak reference can name: read everything each time
+        place, kept = None, False
+    else:
+        kept = True
+    steps = 0  # since the last full read, this one included
+    if place is not None:  # a manager's first audit reads everything
+        steps = place[1] + 1
+        if steps >= every:
+            steps = 0
+        elif made == place[0]:
+            place[1] = steps
+            return
+        else:
+            only = _report.recent_frees(made - place[0])
+            if only is None:  # more frees than are kept: read everything
+                steps = 0
+    managers = [m for m in coordinator.single_type_managers if not _unpins(type(m))]
+    found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
+    if found:
+        _found(pool, managers, found, policy(pool))
+    # Past the frees it read only once nothing was raised: a step retried after
+    # HolderAuditError (the pool as it was) reads them again, and raises again while the
+    # fault stands.
+    if kept:
+        _places[manager] = [made, steps]
+
+
+def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str) -> None:
+    for kind, block in found:
+        if kind == "bad_count":
+            raise _errors.audit_bad_count(_report.named(block), block.ref_cnt, _report.where(pool))
+    holders = _holders(managers, {id(block) for _, block in found})
+    for kind, _ in found:
+        _report.count_finding(kind)
+    if policy == "raise":
+        kind, block = found[0]
+        _report.count_refusal("new_step_starts", kind)
+        raise _errors.audit_finding(
+            _report.named(block),
+            _what(kind, block, holders[id(block)]),
+            _released(block),
+            _report.where(pool),
+        )
+    queue = pool.free_block_queue
+    lines = []
+    for kind, block in found:
+        listed = holders[id(block)]
+        refs = block.ref_cnt
+        what = _what(kind, block, listed)
+        steps = []
+        if block.prev_free_block is not None:
+            queue.remove(block)
+            steps.append("taken out of the free list")
+        if refs < len(listed):
+            block.ref_cnt = len(listed)
+            steps.append(f"ref_cnt {_render.number(refs)} -> {len(listed)}")
+        count = _report.count_repair(pool, kind, "new_step_starts")
+        done = ", ".join(steps) or "its ref_cnt covers its holders already; counted only"
+        lines.append((kind, count, _report.named(block), what, done))
+    where = _report.where(pool)
+    for kind, count, name, what, done in lines:
+        _log.repaired(
+            "kvqueue's holder audit repaired a shared block (%s #%d on this pool): block %s "
+            "%s: %s. %s",
+            kind,
+            count,
+            name,
+            what,
+            done,
+            where,
+        )
+
+
+def _holders(managers: list[Any], wanted: set[int]) -> dict[int, list[tuple[str, Any]]]:
+    """Who lists each block of ``wanted`` (by id): ``(manager class, request id)``, once
+    per listing."""
+    found: dict[int, list[tuple[str, Any]]] = {key: [] for key in wanted}
+    for manager in managers:
+        name = type(manager).__name__
+        for request, blocks in manager.req_to_blocks.items():
+            for block in blocks:
+                if id(block) in found:
+                    found[id(block)].append((name, request))
+    return found
+
+
+def _what(kind: str, block: Any, listed: list[tuple[str, Any]]) -> str:
+    refs = _render.number(block.ref_cnt)
+    who = _who(listed)
+    if kind == "listed_free":
+        return f"is in the free list (ref_cnt {refs}) while {who} lists it"
+    if kind == "listed_twice":
+        return f"is listed twice by one request in one manager ({who}; ref_cnt {refs})"
+    if kind == "two_managers":
+        return f"is listed by two managers ({who}; ref_cnt {refs})"
+    return f"is listed {len(listed)} times ({who}) but its ref_cnt is {refs}"
+
+
+def _who(listed: list[tuple[str, Any]]) -> str:
+    shown = [f"request {_request(request)} ({manager})" for manager, request in listed[:_SHOWN]]
+    more = len(listed) - _SHOWN
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def _request(request: Any) -> str:
+    return str.__repr__(request[:80]) if type(request) is str else _render.describe(request)
+
+
+def _released(block: Any) -> str:
+    site = _report.last_freed(block)
+    return f"It was last released by a free called from {site}. " if site else ""
