@@ -2,7 +2,7 @@
 #
 #   make test             the suite, both twins, against kvqueue installed into .venv-<python>
 #                         (the test extra: pytest, hypothesis); PYTHON=python3.13 make test runs
-#                         3.13 in its own .venv-cpython-3.13.x
+#                         3.13 in its own .venv-cpython-3.13.x (pyenv's 3.13 if it is not on PATH)
 #   make lint             ruff, mypy, cython-lint, actionlint (the lint extra), in .venv-lint-<python>
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-screens    the guard's compiled screen against a baseline (bench/screens.py)
@@ -30,9 +30,22 @@ include vllm_tests/vllm.env
 
 PYTHON ?= python3
 PYTHON311 ?= python3.11
-# One venv per interpreter: its implementation and full version name it (a PYTHON that does not
-# run names none, and the venv's first command fails with the reason).
+# Under pyenv, python3.13 is a shim that runs only where 3.13 is a selected version: a PYTHON
+# that does not run is looked for among pyenv's versions (the newest 3.13.x has python3.13).
+ifeq ($(shell $(PYTHON) -c pass 2>/dev/null && echo runs),)
+PYENV_NAME := $(notdir $(PYTHON))
+PYENV_GLOB := "$$(pyenv root 2>/dev/null)"/versions/$(PYENV_NAME:python%=%).*/bin/$(PYENV_NAME)
+PYENV_PYTHON := $(shell ls -d $(PYENV_GLOB) 2>/dev/null | sort -V | tail -n 1)
+ifneq ($(PYENV_PYTHON),)
+override PYTHON := $(PYENV_PYTHON)
+endif
+endif
+# One venv per interpreter: its implementation and full version name it.
 PYTAG := $(or $(shell $(PYTHON) -c 'import sys; print(sys.implementation.name + "-" + ".".join(map(str, sys.version_info[:3])))' 2>/dev/null),no-python)
+# A PYTHON that does not run stops the first venv, saying what to set.
+NO_PYTHON := make: PYTHON=$(PYTHON) does not run (nor does pyenv have it): set PYTHON to
+NO_PYTHON += an interpreter's path
+CHECK_PYTHON := $(if $(filter no-python,$(PYTAG)),echo "$(NO_PYTHON)" >&2; exit 1,true)
 VENV ?= .venv-$(PYTAG)
 LINT_VENV ?= .venv-lint-$(PYTAG)
 BENCH_VENV ?= .venv-bench-$(PYTAG)
@@ -48,6 +61,7 @@ SOURCES := pyproject.toml setup.py src/kvqueue/py.typed \
 .PHONY: test bench bench-screens bench-audit bench-scheduler bench-engine demo lint memcheck py314 vllm-tests vllm-matrix vllm-line-check clean
 
 $(VENV)/.ready: $(SOURCES)
+	@$(CHECK_PYTHON)
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) $(PIP) --upgrade pip
 	$(PY) $(PIP) ".[test]"
@@ -55,6 +69,7 @@ $(VENV)/.ready: $(SOURCES)
 
 # mypy reads the tests too, so the lint venv has the test extra as well.
 $(LINT_VENV)/.ready: $(SOURCES)
+	@$(CHECK_PYTHON)
 	$(PYTHON) -m venv --clear $(LINT_VENV)
 	$(LINT_PY) $(PIP) --upgrade pip
 	$(LINT_PY) $(PIP) ".[test,lint]"
@@ -63,6 +78,7 @@ $(LINT_VENV)/.ready: $(SOURCES)
 # Built without isolation, with the build requirements installed in the venv: the Cython that
 # compiled the timed module is then the one the results (and the chart) name.
 $(BENCH_VENV)/.ready: $(SOURCES)
+	@$(CHECK_PYTHON)
 	$(PYTHON) -m venv --clear $(BENCH_VENV)
 	$(BENCH_PY) $(PIP) --upgrade pip
 	$(BENCH_PY) $(PIP) $$($(BENCH_PY) .ci/build_requires.py)

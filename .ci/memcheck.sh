@@ -40,6 +40,9 @@ make -s "$VENV/.ready" PYTHON="${PYTHON:-python3}" VENV="$VENV"
 # setup.py runs here outside pip's isolated build: give it the build requirements.
 "$PY" -m pip install -q $("$PY" .ci/build_requires.py)
 rm -rf "$out" && mkdir -p "$logs"
+# A step that fails says so in one line, not only in make's "Error 1".
+step="the build"
+trap 'rc=$?; ((rc == 0)) || echo "memcheck: failed (exit $rc) in $step; logs: ${logs#"$PWD"/}" >&2' EXIT
 build() {  # $1: the directory to build the extension into; CFLAGS etc. from the caller
     "$PY" setup.py -q build_ext --build-lib "$out/$1" --build-temp "$out/$1-tmp" \
         >"$out/$1-build.log" 2>&1 || { cat "$out/$1-build.log"; exit 1; }
@@ -47,7 +50,7 @@ build() {  # $1: the directory to build the extension into; CFLAGS etc. from the
         -exec cp --parents {} "$out/$1/" \;)
 }
 
-section() { printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
+section() { step="$1"; printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
 # The fuzz programs as the suite runs them, fewer operations under valgrind.
 fuzz_runs() {  # $1: operations per program
@@ -67,7 +70,8 @@ asan() {  # $1: extra ASAN_OPTIONS; the rest: a command, run against the sanitiz
     PYTHONPATH="$out/asan" PYTHONMALLOC=malloc LD_PRELOAD="$libasan" \
         ASAN_OPTIONS="log_path=$logs/asan.log:$1" "${@:2}"
 }
-(cd tests && asan "" "../$PY" -c 'import kvqueue._queue as q; assert "/asan/" in q.__file__')
+# Leaks off: CPython 3.12 and 3.13 leak at exit on their own (python -c pass fails with them).
+(cd tests && asan detect_leaks=0 "../$PY" -c 'import kvqueue._queue as q; assert "/asan/" in q.__file__')
 
 section "the test suite under AddressSanitizer (python -X dev)"
 asan detect_leaks=0 "$PY" -X dev -m pytest -q -p no:cacheprovider tests

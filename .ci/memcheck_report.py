@@ -59,8 +59,9 @@ def main() -> int:
         other_leaks += len(leaks) - len(mine)
     print(
         f"memcheck: {files} logs; AddressSanitizer errors: {asan_errors}; "
-        f"valgrind memory errors: {valgrind_errors}; definite leaks through kvqueue: "
-        f"{our_leaks}; other definite leaks (the interpreter's): {other_leaks}"
+        f"valgrind memory errors: {valgrind_errors};\n"
+        f"  definite leaks through kvqueue: {our_leaks}; "
+        f"other definite leaks (the interpreter's): {other_leaks}"
     )
     return 1 if asan_errors or valgrind_errors or our_leaks else 0
 

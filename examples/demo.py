@@ -272,8 +272,13 @@ def verdict(counts: dict[str, dict[str, int]], stopped: bool, alone_pool_wrong: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--form", choices=sorted(FORMS), default="A")
+    # The docstring's first paragraph, without its reST markup: argparse rewraps it.
+    summary = __doc__.split("\n\n")[0].replace("``", "")
+    forms = "; ".join(f"{form}: {what}" for form, what in FORMS.items())
+    parser = argparse.ArgumentParser(description=summary)
+    parser.add_argument(
+        "--form", choices=sorted(FORMS), default="A", help=f"the double free injected ({forms})"
+    )
     parser.add_argument("--vllm", help="the vLLM release to run (default: the venv's own)")
     args = parser.parse_args()
     if not os.environ.get(IN_VENV):

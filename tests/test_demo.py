@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -45,3 +48,18 @@ def test_the_verdict_says_what_each_contender_served(demo: ModuleType) -> None:
     )
     assert "raise stopped at the fault, before serving anything wrong (0 of 60 served)" in flat
     assert flat.endswith("repair served 60 of 60 right")
+
+
+def test_help_is_whole(demo: ModuleType) -> None:
+    """``--help``: the docstring's whole first paragraph, and what each ``--form`` injects."""
+    script = Path(str(demo.__file__))
+    env = {**os.environ, "COLUMNS": "100"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    flat = " ".join(done.stdout.split())
+    assert "side by side with vLLM alone, kvqueue under raise, kvqueue under repair." in flat
+    for form, what in demo.FORMS.items():
+        assert f"{form}: {what}" in flat
+    assert all(len(line) <= 100 for line in done.stdout.splitlines())

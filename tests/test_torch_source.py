@@ -34,7 +34,8 @@ def test_the_check_downloads_nothing_and_says_what_to_set(
     status: int,
 ) -> None:
     """Only pip's listing is read (a dry run of the install downloaded
-    the 526 MB wheel); a refusal is one line naming both settings and their sizes."""
+    the 526 MB wheel); a refusal says both choices' sizes and the command for each, within 100
+    columns."""
     commands: list[list[str]] = []
 
     def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -47,8 +48,12 @@ def test_the_check_downloads_nothing_and_says_what_to_set(
     monkeypatch.setattr("sys.argv", ["torch_source.py", "2.13.0"])
     assert torch_source.main() == status
     assert [command[3:5] for command in commands] == [["index", "versions"]]
-    [said] = capsys.readouterr().out.splitlines()
+    said = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 100 for line in said)
     if status == 3:
-        assert "KVQUEUE_TORCH_INDEX" in said
-        assert "KVQUEUE_TORCH_CUDA=1" in said
-        assert "GB" in said
+        *why, cpu, cuda = said
+        assert "GB" in " ".join(why)
+        assert cpu.startswith("  export KVQUEUE_TORCH_INDEX=https://download.pytorch.org/whl/cpu ")
+        assert cuda.startswith("  export KVQUEUE_TORCH_CUDA=1 ")
+    else:
+        assert len(said) == 1
