@@ -3,7 +3,7 @@
 #   make test             the suite, both twins, against kvqueue installed into .venv-<python>
 #                         (the test extra: pytest, hypothesis); PYTHON=python3.13 make test runs
 #                         3.13 in its own .venv-cpython-3.13.x (pyenv's 3.13 if it is not on PATH)
-#   make lint             ruff, mypy, cython-lint, actionlint (the lint extra), in .venv-lint-<python>
+#   make lint             ruff, mypy, cython-lint, actionlint (the lint extra): .venv-lint-<python>
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-screens    the guard's compiled screen against a baseline (bench/screens.py)
 #   make bench-audit      the holder audit's screen by blocks listed, both twins (bench/audit.py)
