@@ -81,8 +81,12 @@ def test_every_counter_an_engine_can_move() -> None:
     assert ("refused", "free_blocks", "double_free") in found
     assert ("repaired", "new_step_starts", "listed_free") in found
     assert ("found", "new_step_starts", "under_counted") in found
-    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 2 + 4) + 4
-    assert not any(method == "new_step_starts" for _, method, _ in _metrics.combinations([], False))
+    assert ("queue_repaired", "append", "linked") in found
+    queue = 2 + 3 + 4 + 4 + 2
+    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 2 + 4) + 4 + queue
+    unguarded = _metrics.combinations([], False)
+    assert not any(method == "new_step_starts" for _, method, _ in unguarded)
+    assert len(unguarded) == queue
 
 
 # --- through prometheus_client, as vLLM's front end collects them ------------------------

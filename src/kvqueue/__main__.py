@@ -211,7 +211,8 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
         said = "active)" if plan["action"] == "install" else "not active, and why)"
         counters = (
             "counters: vllm serve's /metrics, per engine (kvqueue_guard_refusals_total, "
-            f"kvqueue_guard_repairs_total, kvqueue_audit_findings_total; kvqueue_info: {said}"
+            "kvqueue_guard_repairs_total, kvqueue_audit_findings_total, "
+            f"kvqueue_queue_repairs_total; kvqueue_info: {said}"
         )
         print(textwrap.fill(counters, _WIDTH, initial_indent="  ", subsequent_indent="    "))
     for problem in problems:
