@@ -51,7 +51,7 @@ _HELP = {
     QUEUE_REPAIRS: "Misuses of vLLM's free block queue kvqueue's queue repaired, by method and "
     "kind",
     INFO: "kvqueue in this engine: state active or not active (reason), twin, policy, vLLM line, "
-    "pool guard and holder audit",
+    "pool guard, holder audit and its steps between full reads",
 }
 _OUTCOMES = {
     "refused": REFUSALS,
@@ -79,6 +79,7 @@ _INFO_LABELS = (
     "vllm_version",
     "pool_guard",
     "holder_audit",
+    "audit_every",
 )
 
 # This process's files, once an engine core's counts are written: [pid, counters, info,
