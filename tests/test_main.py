@@ -64,7 +64,19 @@ def test_asking_for_vllm_without_it_is_a_problem() -> None:
         pytest.skip("vLLM is installed here (vllm_tests/ covers that case)")
     assert result["plugin"]["action"] == "refuse"
     assert result["problems"] == [result["plugin"]["reason"]]
-    assert "vllm" in result["problems"][0]
+    assert result["problems"][0].startswith("no vLLM is installed in this environment")
+
+
+@pytest.mark.parametrize("value", ["1", "auto"])
+def test_without_vllm_the_report_says_so_not_that_vllm_is_stopped(value: str) -> None:
+    done = run(KVQUEUE_VLLM=value)
+    if "vLLM: not installed" not in done.stdout:
+        pytest.skip("vLLM is installed here (vllm_tests/ covers that case)")
+    assert "No module named" not in done.stdout
+    assert "stops vLLM" not in done.stdout
+    assert "the plugin: no vLLM is installed in this environment" in done.stdout
+    # All but the first line, which names where kvqueue is installed.
+    assert all(len(line) <= 100 for line in done.stdout.splitlines()[1:])
 
 
 @pytest.mark.parametrize(

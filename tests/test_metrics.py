@@ -26,6 +26,7 @@ ACTIVE = {
     "vllm_version": "0.33.0",
     "pool_guard": "on",
     "holder_audit": "on",
+    "audit_every": "64",
     "guarded": "free_blocks,get_new_blocks,touch,unpin_blocks",
 }
 
@@ -81,8 +82,12 @@ def test_every_counter_an_engine_can_move() -> None:
     assert ("refused", "free_blocks", "double_free") in found
     assert ("repaired", "new_step_starts", "listed_free") in found
     assert ("found", "new_step_starts", "under_counted") in found
-    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 2 + 4) + 4
-    assert not any(method == "new_step_starts" for _, method, _ in _metrics.combinations([], False))
+    assert ("queue_repaired", "append", "linked") in found
+    queue = 2 + 3 + 4 + 4 + 2
+    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 2 + 4) + 4 + queue
+    unguarded = _metrics.combinations([], False)
+    assert not any(method == "new_step_starts" for _, method, _ in unguarded)
+    assert len(unguarded) == queue
 
 
 # --- through prometheus_client, as vLLM's front end collects them ------------------------
@@ -134,7 +139,8 @@ def test_an_engines_counters_are_at_0_from_the_first_scrape_and_move(scraped: An
     assert _value(text, refused) == before
     rows = [row for row in text.splitlines() if row.startswith("kvqueue_") and "_total{" in row]
     assert len(rows) == len(_metrics.combinations(ACTIVE["guarded"].split(","), True))
-    assert 'kvqueue_info{engine="1",holder_audit="on",model_name="stub-model"' in text
+    info = 'kvqueue_info{audit_every="64",engine="1",holder_audit="on",model_name="stub-model"'
+    assert info in text
     assert 'state="active"' in text
     assert 'vllm_line="0.33"' in text
     _report.count_refusal("free_blocks", "double_free")

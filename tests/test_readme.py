@@ -1,4 +1,5 @@
-"""The README's Python examples run as written and print what they say they print."""
+"""The README's Python examples run as written and print what they say they print; the README
+and CONTRIBUTING fit in 100 columns, and say what they name before they use it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import kvqueue
+
+from support.helpers import load_script
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 EXAMPLES = (
@@ -41,8 +44,8 @@ def test_the_settings_table_says_what_each_variable_does() -> None:
         pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
     from kvqueue import _env
 
-    rows = re.findall(r"^\| `(KVQUEUE_\w+)` \| (.*) \|$", README.read_text(), re.MULTILINE)
-    assert dict(rows) == dict(_env.MEANINGS)
+    items = re.findall(r"^- `(KVQUEUE_\w+)`: (.*?)\n(?=- |\n)", README.read_text(), re.M | re.S)
+    assert {name: " ".join(text.split()) for name, text in items} == dict(_env.MEANINGS)
 
 
 def test_the_table_of_lines_is_the_codes() -> None:
@@ -55,12 +58,13 @@ def test_the_table_of_lines_is_the_codes() -> None:
 
 
 def test_a_newcomer_is_told_what_the_demo_needs() -> None:
-    """The demo's interpreter, disk, time, venv, other lines and
-    torch; which releases are accepted; and the README stays short."""
+    """The demo's interpreter, disk, time, venv, other lines and torch (the command for
+    PyTorch's CPU index as the demo's refusal gives it); which releases are accepted; and the
+    README stays short."""
     if not README.exists():
         pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
     text = README.read_text()
-    assert len(text.splitlines()) <= 180
+    assert len(text.splitlines()) <= 205
     flat = " ".join(text.split())
     pins = dict(
         line.split("=", 1)
@@ -73,8 +77,29 @@ def test_a_newcomer_is_told_what_the_demo_needs() -> None:
         f"~/.cache/kvqueue/vllm-{pins['VLLM_VERSION']}-venv",
         "`VLLM=0.31.0`",
         f"`torch=={pins['TORCH_VERSION']}+cpu`",
-        "`KVQUEUE_TORCH_INDEX`",
-        "`KVQUEUE_TORCH_CUDA=1`",
+        f"export KVQUEUE_TORCH_INDEX={load_script('vllm_tests/torch_source.py').CPU_INDEX} ",
+        "export KVQUEUE_TORCH_CUDA=1 ",
         "rc and dev builds",
     ):
         assert needed in flat, needed
+
+
+@pytest.mark.parametrize("name", ["README.md", "CONTRIBUTING.md"])
+def test_every_line_fits_in_100_columns(name: str) -> None:
+    path = README.parent / name
+    if not path.exists():
+        pytest.skip(f"the suite runs outside the source tree (no {name} beside tests/)")
+    text = path.read_text()
+    wide = [(n, len(line)) for n, line in enumerate(text.splitlines(), 1) if len(line) > 100]
+    assert wide == []
+
+
+def test_terms_are_said_before_they_are_used() -> None:
+    """A term of kvqueue's is first met where the README says what it is (in italics)."""
+    if not README.exists():
+        pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
+    text = README.read_text().lower()
+    for term in ("line", "three ways", "holder audit", "twin"):
+        first = re.search(rf"(?<!\w){term}s?(?!\w)", text)
+        assert first is not None, term
+        assert text[first.start() - 1] == "*", (term, text[first.start() - 80 : first.end()])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import kvqueue
 import kvqueue.vllm as kv_vllm
 from kvqueue import _env
-from kvqueue.vllm import _plugin
+from kvqueue.vllm import _audit, _plugin
 from kvqueue.vllm._lines import LINES, Line
 
 from support.blocks import layout
@@ -792,6 +793,31 @@ def test_a_bad_audit_cadence_is_refused_before_anything_changes(
     assert kv_vllm.status()["implementation"] is None
 
 
+def test_each_install_reads_the_audit_cadence_and_the_running_audit_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVQUEUE_AUDIT_EVERY is read by install(), again by the next one with the same twin;
+    status() says what the running audit uses, whatever the variable says since."""
+    fake = FakeVllm(monkeypatch)
+    kv_vllm.uninstall()
+    used: list[int] = []
+    monkeypatch.setattr(_audit, "audit_holders", lambda *args: used.append(args[-1]))
+    monkeypatch.setenv("KVQUEUE_AUDIT_EVERY", "4")
+    kv_vllm.install("python")
+    manager = fake.manager.KVCacheManager(fake.pool.BlockPool(4))
+    manager.new_step_starts()
+    monkeypatch.setenv("KVQUEUE_AUDIT_EVERY", "8")
+    assert kv_vllm.status()["audit_every"] == 4
+    manager.new_step_starts()
+    kv_vllm.install("python")
+    assert kv_vllm.status()["audit_every"] == 8
+    manager.new_step_starts()
+    assert used == [4, 4, 8]
+    monkeypatch.delenv("KVQUEUE_AUDIT_EVERY")
+    kv_vllm.install("python", pool_guard=False)
+    assert kv_vllm.status()["audit_every"] is None
+
+
 def test_a_later_patch_over_a_guard_is_reported_and_refused(
     fake: FakeVllm, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -858,3 +884,38 @@ def test_the_correction_is_of_the_line_that_counts_first_only(fake: FakeVllm) ->
     vllms_free = fake.pool.BlockPool.free_blocks
     kv_vllm.install(pool_guard=False)
     assert fake.pool.BlockPool.free_blocks is vllms_free
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("KVQUEUE_ON_MISUSE", "bogus"), ("KVQUEUE_AUDIT_EVERY", "3")]
+)
+def test_a_bad_value_ends_vllms_process_with_one_line(name: str, value: str) -> None:
+    """vLLM's loader calls each general plugin bare (``func()``), in its CLI's process: a bad
+    value ends that process with kvqueue's line, and no traceback."""
+    code = (
+        "from kvqueue.vllm._plugin import plugin\n"
+        "plugins = {'kvqueue': plugin}\n"
+        "for func in plugins.values():\n"
+        "    func()\n"
+        "print('vLLM started')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "VLLM_"))}
+    env.update({"KVQUEUE_VLLM": "1", name: value})
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"kvqueue: {name} must be one of ")
+    assert line.endswith(f"(or unset), not {value!r}")
+    assert len(line) <= 100
+
+
+def test_a_bad_value_is_a_value_error_to_code_that_catches_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVQUEUE_VLLM", "1")
+    monkeypatch.setenv("KVQUEUE_ON_MISUSE", "bogus")
+    with pytest.raises(ValueError, match=r"^KVQUEUE_ON_MISUSE must be one of") as caught:
+        _plugin.plugin()
+    assert isinstance(caught.value, SystemExit)
+    assert caught.value.code == f"kvqueue: {caught.value}"

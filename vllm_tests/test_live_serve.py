@@ -248,8 +248,13 @@ def test_vllm_serve_metrics_count_exactly_the_double_frees_injected(
     assert after[f"kvqueue_guard_repairs_total{{{audit}}}"] == 1
     assert after[f"kvqueue_audit_findings_total{{{found}}}"] == 1
     assert sum(after.values()) == 4
+    # The queue's own repairs, at 0 from the first scrape: the guard left the queue none to make.
+    queue = _kvqueue(first, "kvqueue_queue_repairs_") | _kvqueue(last, "kvqueue_queue_repairs_")
+    assert 'kind="linked",method="append_n"' in " ".join(queue)
+    assert set(queue.values()) == {0.0}
     (info,) = _kvqueue(last, "kvqueue_info{").items()
     assert info[1] == 1.0
+    assert 'audit_every="64"' in info[0]
     assert 'state="active"' in info[0]
     assert 'on_misuse="repair"' in info[0]
     assert 'engine="0"' in info[0]

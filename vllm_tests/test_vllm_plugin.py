@@ -106,12 +106,22 @@ def test_vllm_plugins_is_respected(allowed: str, module: str | None) -> None:
     assert result["queue"] == (module or "vllm.v1.core.kv_cache_utils")
 
 
-def test_bad_value_stops_vllm_loudly() -> None:
-    env = dict(os.environ, KVQUEUE_VLLM="yes", VLLM_TARGET_DEVICE="cpu")
-    code = "import vllm.plugins; vllm.plugins.load_general_plugins()"
+@pytest.mark.parametrize(
+    ("name", "value"), [("KVQUEUE_VLLM", "yes"), ("KVQUEUE_ON_MISUSE", "bogus")]
+)
+def test_bad_value_stops_vllm_with_one_line(name: str, value: str) -> None:
+    """vLLM's loader calls the plugin bare: its process ends with kvqueue's line, exit status 1,
+    and no traceback."""
+    env = dict(os.environ, KVQUEUE_VLLM="1", VLLM_TARGET_DEVICE="cpu")
+    env[name] = value
+    code = "import vllm.plugins; vllm.plugins.load_general_plugins(); print('vLLM went on')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert done.returncode != 0
-    assert "KVQUEUE_VLLM must be one of" in done.stderr
+    assert done.returncode == 1
+    assert "vLLM went on" not in done.stdout
+    assert "Traceback" not in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(f"kvqueue: {name} must be one of "), done.stderr[-2000:]
+    assert len(last) <= 100
 
 
 # A stand-in for another project's guard (vllm-ascend, Dynamo): it patches vLLM's pool

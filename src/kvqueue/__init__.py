@@ -52,8 +52,9 @@ if _chosen.failed:
     import warnings
 
     warnings.warn(
-        f"kvqueue: the compiled queue is not available ({_chosen.failed}); using the "
-        "pure-Python twin, whose calls are slower. "
+        # A line each, each well within 100 columns after the importer's file and line.
+        f"kvqueue: the compiled queue is not available ({_chosen.failed});\n"
+        "using the pure-Python twin, whose calls are slower.\n"
         "Set KVQUEUE_PURE=1 to choose it and silence this.",
         RuntimeWarning,
         stacklevel=2,

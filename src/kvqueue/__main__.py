@@ -57,14 +57,18 @@ def report() -> tuple[dict[str, Any], list[str]]:
         "accepted_vllm_lines": [line.release for line in _lines.LINES],
     }
     facts["vllm"] = vllm
+    reason = decided.reason
+    if decided.action in ("refuse", "stay_off") and not vllm["installed"] and not decided.problems:
+        # The plan's check imported vLLM and failed: there is no vLLM for the plugin to stop.
+        reason = _NO_VLLM
     facts["plugin"] = {
         "action": decided.action,
-        "reason": decided.reason,
+        "reason": reason,
         "settings": settings,
         "called_by_vllm": bool(called),
     }
     if decided.action == "refuse" and not decided.problems:
-        problems.append(decided.reason)
+        problems.append(reason)
     elif decided.action != "off" and vllm.get("installed") and not called:
         problems.append(
             f"{_env.VLLM}={os.environ.get(_env.VLLM)} but vLLM will not call kvqueue's plugin "
@@ -152,6 +156,11 @@ def _vllm() -> dict[str, Any]:
 # The widest line printed (a problem or a meaning longer than that is wrapped).
 _WIDTH = 100
 
+_NO_VLLM = (
+    "no vLLM is installed in this environment, so nothing calls the plugin; install vLLM here "
+    "and run python -m kvqueue again"
+)
+
 _SAYS = {
     "off": "the plugin installs nothing",
     "install": "the plugin installs kvqueue",
@@ -167,7 +176,7 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
     else:
         loads = f"import kvqueue loads: {facts['implementation']} twin ({facts['why']})"
     print(textwrap.fill(loads, _WIDTH, subsequent_indent="  ", break_on_hyphens=False))
-    print("environment:")
+    print("environment (each vLLM process reads it as it starts, and keeps what it read):")
     for name in _env.USER:
         value = facts["environment"][name]
         setting = f"{name}={value!r}" if value is not None else f"{name} unset"
@@ -193,8 +202,11 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
     settings = plan["settings"]
     if plan["action"] != "off" and vllm["installed"] and not plan["called_by_vllm"]:
         print("the plugin is not called, so it installs nothing")
+    elif plan["reason"] == _NO_VLLM:
+        print(textwrap.fill(f"the plugin: {_NO_VLLM}", _WIDTH, subsequent_indent="  "))
     else:
-        print(f"{_SAYS[plan['action']]}: {plan['reason']}")
+        said = f"{_SAYS[plan['action']]}: {plan['reason']}"
+        print(textwrap.fill(said, _WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     if plan["action"] == "install" and plan["called_by_vllm"] and settings is not None:
         policy = settings["on_misuse"] or f"{facts['environment'][_env.MISUSE_POLICY] or 'raise'}"
         print(
@@ -211,7 +223,8 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
         said = "active)" if plan["action"] == "install" else "not active, and why)"
         counters = (
             "counters: vllm serve's /metrics, per engine (kvqueue_guard_refusals_total, "
-            f"kvqueue_guard_repairs_total, kvqueue_audit_findings_total; kvqueue_info: {said}"
+            "kvqueue_guard_repairs_total, kvqueue_audit_findings_total, "
+            f"kvqueue_queue_repairs_total; kvqueue_info: {said}"
         )
         print(textwrap.fill(counters, _WIDTH, initial_indent="  ", subsequent_indent="    "))
     for problem in problems:

@@ -23,6 +23,7 @@ __all__ = (
     "USER",
     "VLLM",
     "WRAP_FOREIGN",
+    "audit_every",
     "choice",
     "flag",
 )
@@ -72,10 +73,19 @@ def choice(name: str, values: Mapping[str, T], default: T) -> T:
     try:
         return values[raw]
     except KeyError:
-        accepted = ", ".join(repr(key) for key in values)
-        raise ValueError(f"{name} must be one of {accepted} (or unset), not {raw[:80]!r}") from None
+        # At most 100 columns with the plugin's "kvqueue: " before it: a long set by its ends,
+        # a long value cut.
+        keys = [repr(key) for key in values]
+        accepted = ", ".join(keys if len(keys) <= 5 else [*keys[:3], "...", keys[-1]])
+        raise ValueError(f"{name} must be one of {accepted} (or unset), not {raw[:16]!r}") from None
 
 
 def flag(name: str, default: bool = False) -> bool:
     """Variable ``name`` as a switch: ``1`` on, ``0`` off, unset or empty ``default``."""
     return choice(name, FLAG, default)
+
+
+def audit_every() -> int:
+    """The steps between the holder audit's full reads that KVQUEUE_AUDIT_EVERY names now.
+    Raises ValueError for a value it does not take."""
+    return choice(AUDIT_EVERY, EVERY, EVERY_DEFAULT)

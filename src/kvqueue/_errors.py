@@ -22,6 +22,17 @@ class VLLMLayoutError(RuntimeError):
     """The installed vLLM is not one kvqueue knows how to patch; nothing was changed."""
 
 
+class SettingError(SystemExit, ValueError):
+    """A value a kvqueue variable does not take, met by vLLM's plugin. Code that catches a
+    ValueError catches it; uncaught (vLLM's plugin loader lets it through), it ends the
+    process as a SystemExit does: its one line, ``kvqueue: <the problem>``, on stderr, exit
+    status 1, and no traceback through vLLM's code."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.code = f"kvqueue: {problem}"
+
+
 # The pool guard's and the holder audit's messages. ``call``, ``block`` and ``where`` come
 # rendered (``_report.call``, ``named``, ``where``): the method called, the block, and the
 # pool with the caller's frame.

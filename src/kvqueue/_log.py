@@ -1,15 +1,17 @@
 """kvqueue's log: the ``kvqueue`` logger, its rate limit, the one function that logs a repair
-(for the queues and the pool guard alike), and the forwarding to vLLM's log while installed."""
+(for the queues and the pool guard alike), who else hears of a queue's repairs, and the
+forwarding to vLLM's log while installed."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from . import _policy, _render
 
-__all__ = ("forward_to_vllm", "logger", "queue_repaired", "repaired")
+__all__ = ("forward_to_vllm", "logger", "on_queue_repair", "queue_repaired", "repaired")
 
 logger = logging.getLogger("kvqueue")
 
@@ -21,6 +23,9 @@ _BURST = 10
 _window_start = float("-inf")
 _logged = 0
 _unlogged = 0
+# Told of every repair a queue makes, logged or not (kvqueue.vllm counts them for its metrics:
+# the queue's floor cannot import it, so it subscribes here).
+_listeners: list[Callable[[str, _policy.QueueMisuse], None]] = []
 
 
 def _admit() -> int | None:
@@ -51,8 +56,19 @@ def repaired(message: str, *args: object) -> None:
         logger.warning(message + "%s", *args, note)
 
 
+def on_queue_repair(listener: Callable[[str, _policy.QueueMisuse], None]) -> None:
+    """Call ``listener(method, kind)`` for every repair a queue makes from now on (once,
+    however often it is given)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
 def queue_repaired(method: str, block: object, kind: _policy.QueueMisuse, count: int) -> None:
-    """A queue's repair of ``kind`` (``count``: the queue's total of it) on ``block``."""
+    """A queue's repair of ``kind`` (``count``: the queue's total of it) on ``block``: told to
+    every listener, then logged. Never raises, as :func:`repaired`."""
+    for listener in _listeners:
+        with contextlib.suppress(Exception):
+            listener(method, kind)
     repaired(
         "%s() repaired a misuse (%s #%d on this queue): skipped %s: %s",
         method,

@@ -19,6 +19,7 @@ __all__ = (
     "ENV",
     "POOL_MISUSES",
     "QUEUE_MISUSES",
+    "QUEUE_REPAIRS",
     "REPAIRED",
     "AuditMisuse",
     "MisusePolicy",
@@ -50,6 +51,15 @@ PoolMisuse = Literal[
     "under_counted",
 ]
 QUEUE_MISUSES: tuple[QueueMisuse, ...] = get_args(QueueMisuse)
+#: The queue's methods that repair a misuse, with what each can repair (the constructor by its
+#: class's name, as its messages say it; its queue has no sentinel and no pool before it links).
+QUEUE_REPAIRS: dict[str, tuple[QueueMisuse, ...]] = {
+    "FreeKVCacheBlockQueue": ("duplicate", "linked"),
+    "append": ("linked", "sentinel", "other_pool"),
+    "append_n": ("duplicate", "linked", "sentinel", "other_pool"),
+    "prepend_n": ("duplicate", "linked", "sentinel", "other_pool"),
+    "remove": ("not_linked", "other_pool"),
+}
 POOL_MISUSES: tuple[PoolMisuse, ...] = get_args(PoolMisuse)
 AUDIT_MISUSES: tuple[AuditMisuse, ...] = get_args(AuditMisuse)
 

@@ -31,10 +31,10 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
-from .. import _errors, _log, _policy, _twin
+from .. import _env, _errors, _log, _policy, _twin
 from .._block import check_block_type
 from .._errors import HolderAuditError, VLLMLayoutError
-from . import _audit, _foreign, _lines, _pool_guard
+from . import _foreign, _lines, _pool_guard
 from ._lines import Line
 from ._report import audit_findings, audited_steps, pool_repairs
 
@@ -163,12 +163,15 @@ def install(
     Raises :class:`VLLMLayoutError` on a vLLM it does not accept, or one another project
     patched (unless ``wrap_foreign``); ``ImportError`` when vLLM (or the requested
     implementation) cannot be imported; ValueError for an unknown ``implementation`` or
-    ``on_misuse``, or a bad ``KVQUEUE_AUDIT_EVERY``. On any error nothing is changed.
+    ``on_misuse``, or a bad ``KVQUEUE_AUDIT_EVERY`` (read by each call: the holder audit
+    keeps the value the last one read). On any error nothing is changed.
     """
     global _installed
     if on_misuse is not None:
         on_misuse = _policy.resolve(on_misuse)
-    _audit.audit_every()  # a bad KVQUEUE_AUDIT_EVERY raises here, before anything changes
+    # Read here, at each install, and kept by the guard: a bad value raises before anything
+    # changes.
+    every = _env.audit_every()
     twin = _twin.named(implementation)
     queue_class, name, screen = twin.queue, twin.name, _pool_guard.screens(twin.name)
     with _lock:
@@ -183,6 +186,7 @@ def install(
             else:
                 _correct(state, screen)
             _bind(targets, state.bound)
+            state.policy.every = every
             _installed = state
         else:
             wrap_foreign = state.wrap_foreign or wrap_foreign
@@ -207,6 +211,7 @@ def install(
                 _bind(targets, state.bound)
             state.queue_class, state.implementation = queue_class, name
             state.policy.default = on_misuse
+            state.policy.every = every
         _log.forward_to_vllm(True)
         return queue_class
 
@@ -375,7 +380,8 @@ def status() -> dict[str, Any]:
     replaced it (calls reach that patch, not the guard; :func:`install` refuses it, or
     with ``wrap_foreign`` guards it again).
     ``holder_audit``: whether each scheduler step starts with the holder audit (it follows
-    the pool guard).
+    the pool guard), and ``audit_every``: the steps between its full reads, as the last
+    :func:`install` read ``KVQUEUE_AUDIT_EVERY`` (None without the audit).
     """
     state = _installed
     guarded: list[str] = []
@@ -393,6 +399,7 @@ def status() -> dict[str, Any]:
         "guarded": guarded,
         "bypassed": bypassed,
         "holder_audit": bool(audited),
+        "audit_every": state.policy.every if state is not None and audited else None,
     }
 
 

@@ -34,10 +34,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import _env, _errors, _log, _render
+from .. import _errors, _log, _render
 from . import _report
 
-__all__ = ("audit_every", "audit_holders")
+__all__ = ("audit_holders",)
 
 # The manager classes whose listed pages may be free (HiSparse's unpinned pages), by name,
 # so that no vLLM module is imported to know them.
@@ -59,12 +59,6 @@ def _unpins(manager_class: type) -> bool:
             cls.__name__ in _UNPINNING for cls in manager_class.__mro__
         )
     return found
-
-
-def audit_every() -> int:
-    """Steps between full audits: ``KVQUEUE_AUDIT_EVERY``, read when the guard is made.
-    Raises ValueError for a value it does not take."""
-    return _env.choice(_env.AUDIT_EVERY, _env.EVERY, _env.EVERY_DEFAULT)
 
 
 def audit_holders(

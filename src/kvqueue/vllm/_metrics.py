@@ -1,5 +1,5 @@
 """kvqueue's counters on vLLM's ``/metrics``: what the guard refused and repaired, what the
-holder audit found, and whether kvqueue is active, per engine.
+holder audit found, what kvqueue's queues repaired, and whether kvqueue is active, per engine.
 
 vLLM serves ``/metrics`` from its front-end (API-server) process, but the guard runs in each
 engine core, a process of its own. So each engine core writes its counts into files that
@@ -17,8 +17,9 @@ moves), in the directory a front end collects:
 
 Names start with ``kvqueue_`` (vLLM's Prometheus logger unregisters ``vllm:*`` collectors);
 labels ``engine`` (the data-parallel rank) and ``model_name`` as vLLM's. Every counter a
-guarded method can move is written at 0 when the engine core starts. ``prometheus_client``
-(one of vLLM's requirements) is imported only here, only when the plugin starts the metrics.
+guarded method or the queue can move is written at 0 when the engine core starts.
+``prometheus_client`` (one of vLLM's requirements) is imported only here, only when the plugin
+starts the metrics.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from typing import Any
 from .. import _env, _log, _policy
 from . import _report
 
-__all__ = ("FINDINGS", "INFO", "REFUSALS", "REPAIRS", "combinations", "start")
+__all__ = ("FINDINGS", "INFO", "QUEUE_REPAIRS", "REFUSALS", "REPAIRS", "combinations", "start")
 
 REFUSALS = "kvqueue_guard_refusals"
 REPAIRS = "kvqueue_guard_repairs"
 FINDINGS = "kvqueue_audit_findings"
+QUEUE_REPAIRS = "kvqueue_queue_repairs"
 INFO = "kvqueue_info"
 
 _HELP = {
@@ -46,10 +48,17 @@ _HELP = {
     REPAIRS: "Misuses of vLLM's BlockPool kvqueue's guard repaired, by method and kind "
     "(method new_step_starts: the holder audit)",
     FINDINGS: "Blocks kvqueue's holder audit found held wrongly, by kind, raised or repaired",
+    QUEUE_REPAIRS: "Misuses of vLLM's free block queue kvqueue's queue repaired, by method and "
+    "kind",
     INFO: "kvqueue in this engine: state active or not active (reason), twin, policy, vLLM line, "
-    "pool guard and holder audit",
+    "pool guard, holder audit and its steps between full reads",
 }
-_OUTCOMES = {"refused": REFUSALS, "repaired": REPAIRS, "found": FINDINGS}
+_OUTCOMES = {
+    "refused": REFUSALS,
+    "repaired": REPAIRS,
+    "found": FINDINGS,
+    "queue_repaired": QUEUE_REPAIRS,
+}
 _AUDIT = "new_step_starts"
 # What each guarded method can refuse or repair.
 _KINDS: dict[str, tuple[str, ...]] = {
@@ -70,6 +79,7 @@ _INFO_LABELS = (
     "vllm_version",
     "pool_guard",
     "holder_audit",
+    "audit_every",
 )
 
 # This process's files, once an engine core's counts are written: [pid, counters, info,
@@ -79,8 +89,8 @@ _collected: set[str] = set()
 
 
 def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
-    """Every (outcome, method, kind) the guard on ``guarded`` methods (and the audit) can
-    count, each written at 0 when an engine core starts."""
+    """Every (outcome, method, kind) the guard on ``guarded`` methods (and the audit) and
+    kvqueue's queue can count, each written at 0 when an engine core starts."""
     methods = [m for m in _KINDS if m in guarded or (audit and m == _AUDIT)]
     found = [
         (outcome, method, kind)
@@ -90,6 +100,11 @@ def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
     ]
     if audit:
         found += [("found", _AUDIT, kind) for kind in _policy.AUDIT_MISUSES]
+    found += [
+        ("queue_repaired", method, kind)
+        for method, kinds in _policy.QUEUE_REPAIRS.items()
+        for kind in kinds
+    ]
     return found
 
 

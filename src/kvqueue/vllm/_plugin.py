@@ -12,7 +12,7 @@ from importlib import metadata
 from typing import Any, Literal
 
 from .. import _env, _errors, _log, _policy
-from . import _audit, _metrics
+from . import _metrics
 
 __all__ = ("Plan", "plan", "plugin")
 
@@ -54,7 +54,7 @@ def plan() -> Plan:
     vllm_value_bad = bool(found)
     policy = _read(lambda: _policy.resolve(None), found)
     guard = _read(lambda: _env.flag(_env.POOL_GUARD, default=True), found)
-    every = _read(_audit.audit_every, found)
+    every = _read(_env.audit_every, found)
     wrap = _read(lambda: _env.flag(_env.WRAP_FOREIGN), found)
     # Read by import kvqueue, which vLLM's loader lets pass a bad value to this plan.
     _read(lambda: _env.flag(_env.PURE), found)
@@ -63,7 +63,7 @@ def plan() -> Plan:
         return Plan("off", f"{_env.VLLM} unset or 0", problems=problems)
     if problems:
         why = "; ".join(problems)
-        return Plan("refuse", why, error=ValueError(why), problems=problems)
+        return Plan("refuse", why, error=_errors.SettingError(why), problems=problems)
     from .. import vllm
 
     implementation, strict = asked
@@ -108,8 +108,9 @@ def plugin() -> None:
     and leaves vLLM untouched. Logs one line in vLLM's log when it activates; a repeated
     call with the same settings changes nothing.
 
-    Raises ValueError for a value none of these variables takes, and, strict, whatever
-    :func:`kvqueue.vllm.install` raises.
+    Raises :class:`~kvqueue._errors.SettingError` (a ValueError that, uncaught, ends vLLM's
+    process with its one line) for a value none of these variables takes, and, strict,
+    whatever :func:`kvqueue.vllm.install` raises.
     """
     decided = plan()
     if decided.action == "off":
@@ -163,6 +164,7 @@ def _active(status: dict[str, Any]) -> dict[str, str]:
         "vllm_version": _vllm_version(),
         "pool_guard": "on" if status["pool_guard"] else "off",
         "holder_audit": "on" if status["holder_audit"] else "off",
+        "audit_every": str(status["audit_every"] or ""),
         "guarded": ",".join(status["guarded"]),
     }
 

@@ -31,7 +31,7 @@ from operator import index
 from types import ModuleType
 from typing import Any
 
-from .. import _block, _errors, _policy
+from .. import _block, _env, _errors, _policy
 from . import _audit, _foreign, _report, _rules
 from ._report import pool_repairs
 
@@ -61,12 +61,14 @@ class PoolPolicy:
     """A pool's misuse policy, decided here only: its queue's ``on_misuse``, else
     ``default`` (the one given to ``kvqueue.vllm.install()``; None: ``KVQUEUE_ON_MISUSE``,
     read at each call). kvqueue.vllm shares one between its guards and the queues it builds
-    for vLLM, so that setting ``default`` changes both."""
+    for vLLM, so that setting ``default`` changes both; and ``every``, the steps between the
+    holder audit's full reads, which each ``install()`` sets."""
 
-    __slots__ = ("default",)
+    __slots__ = ("default", "every")
 
     def __init__(self, default: _policy.MisusePolicy | None = None) -> None:
         self.default = default
+        self.every = _env.EVERY_DEFAULT
 
     def __call__(self, pool: Any) -> _policy.MisusePolicy:
         own = getattr(pool.free_block_queue, "on_misuse", None)
@@ -397,11 +399,11 @@ def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     audit = _audit.audit_holders
     screen = made.screen
-    every = _audit.audit_every()
+    policy = made.policy
 
     def new_step_starts(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not made.retired:
-            audit(self, screen, made.policy, every)
+            audit(self, screen, policy, policy.every)
         return original(self, *args, **kwargs)
 
     return _wrapped(made, new_step_starts)

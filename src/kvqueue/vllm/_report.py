@@ -1,5 +1,6 @@
 """What the pool guard and its rules report: the repairs counted per pool, the findings of
-the holder audit counted per process, the log lines, and where a call came from.
+the holder audit counted per process, the log lines, and where a call came from; and the
+repairs kvqueue's queues make, in any pool, which the queue's floor tells here (``_log``).
 
 Shared by the guard (``_pool_guard``), its rules (``_rules``) and the holder audit
 (``_audit``), which all report here and read nothing back but the counts.
@@ -23,6 +24,7 @@ __all__ = (
     "call",
     "count_audit",
     "count_finding",
+    "count_queue_repair",
     "count_refusal",
     "count_repair",
     "events",
@@ -44,9 +46,10 @@ _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictio
 # and the steps it audited.
 _findings: dict[str, int] = dict.fromkeys(_policy.AUDIT_MISUSES, 0)
 _audited = [0]
-# Every refusal (under "raise") and repair of the guard and its audit in this process, and
-# every finding of the audit, by (outcome, method, kind); each count is handed to the one
-# watcher (kvqueue's metrics, ``_metrics``) as it moves.
+# Every refusal (under "raise") and repair of the guard and its audit in this process, every
+# finding of the audit, and every repair of a queue (outcome "queue_repaired"), by (outcome,
+# method, kind); each count is handed to the one watcher (kvqueue's metrics, ``_metrics``) as
+# it moves.
 _events: dict[tuple[str, str, str], int] = {}
 _watcher: list[Callable[[str, str, str, int], None]] = []
 
@@ -86,6 +89,14 @@ def count_finding(kind: _policy.AuditMisuse) -> None:
 def count_refusal(method: str, kind: str) -> None:
     """Count a misuse of ``kind`` that ``method``'s guard (or the audit's) is about to raise."""
     _event("refused", method, kind)
+
+
+def count_queue_repair(method: str, kind: _policy.QueueMisuse) -> None:
+    """Count a repair of ``kind`` that a queue's ``method`` made."""
+    _event("queue_repaired", method, kind)
+
+
+_log.on_queue_repair(count_queue_repair)
 
 
 def events() -> dict[tuple[str, str, str], int]:
