@@ -25,7 +25,7 @@ __all__ = (
     "verdict",
 )
 
-_FIELDS_023 = (
+_FIELDS_018 = (
     "block_id",
     "ref_cnt",
     "_block_hash",
@@ -33,24 +33,28 @@ _FIELDS_023 = (
     "next_free_block",
     "is_null",
 )
-_FIELDS_024 = (*_FIELDS_023[:3], "_block_hash_num_tokens", *_FIELDS_023[3:])
+_FIELDS_024 = (*_FIELDS_018[:3], "_block_hash_num_tokens", *_FIELDS_018[3:])
 _FIELDS_030 = (*_FIELDS_024[:2], "pool", *_FIELDS_024[2:])
 # 0.34: the hash fields are public (their read-only properties gone).
 _FIELDS_034 = tuple(name.lstrip("_") for name in _FIELDS_030)
 
-_QUEUE_023 = frozenset(
-    ("popleft", "popleft_n", "remove", "append", "prepend_n", "append_n", "get_all_free_blocks")
+# Before 0.23 vLLM's queue has no front insertion: its pools only append. kvqueue's queue
+# keeps prepend_n on every line; a pool of such a line never calls it.
+_QUEUE_018 = frozenset(
+    ("popleft", "popleft_n", "remove", "append", "append_n", "get_all_free_blocks")
 )
+_QUEUE_023 = _QUEUE_018 | {"prepend_n"}
 _QUEUE_026 = _QUEUE_023 | {"iter_blocks_after"}
 
 # The guarded BlockPool methods each line defines, with their parameters after ``self``.
-_POOL_023 = {
+# Only 0.23's free_blocks takes ``prepend``: the lines before it had no front insertion.
+_POOL_018: dict[str, tuple[str, ...]] = {
     "get_new_blocks": ("num_blocks",),
     "touch": ("blocks",),
-    "free_blocks": ("ordered_blocks", "prepend"),
+    "free_blocks": ("ordered_blocks",),
 }
-_POOL_024 = {**_POOL_023, "free_blocks": ("ordered_blocks",)}
-_POOL_030 = {**_POOL_024, "unpin_blocks": ("blocks", "on_reuse")}
+_POOL_023 = {**_POOL_018, "free_blocks": ("ordered_blocks", "prepend")}
+_POOL_030 = {**_POOL_018, "unpin_blocks": ("blocks", "on_reuse")}
 _POOL_034 = {**_POOL_030, "free_blocks": ("ordered_blocks", "evict_first")}
 
 
@@ -79,7 +83,7 @@ class Line:
     queue_methods: frozenset[str]
     #: The guarded ``BlockPool`` methods the line defines, each with its parameter names.
     pool_methods: dict[str, tuple[str, ...]]
-    #: ``free_blocks`` decrements every occurrence before it queues any (0.23): a block
+    #: ``free_blocks`` decrements every occurrence before it queues any (0.18-0.23): a block
     #: listed twice is queued twice; later lines classify each block inside the loop.
     counts_first: bool
     #: ``free_blocks`` and ``touch`` skip null blocks before touching ``ref_cnt`` (0.33+).
@@ -129,13 +133,18 @@ def _line(
 
 
 LINES: tuple[Line, ...] = (
-    _line("0.23.0", _FIELDS_023, _QUEUE_023, _POOL_023, "2.11"),
-    _line("0.24.0", _FIELDS_024, _QUEUE_023, _POOL_024, "2.11"),
-    _line("0.25.1", _FIELDS_024, _QUEUE_023, _POOL_024, "2.11"),
-    _line("0.26.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.11"),
-    _line("0.27.1", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
-    _line("0.28.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
-    _line("0.29.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
+    _line("0.18.1", _FIELDS_018, _QUEUE_018, _POOL_018, "2.10"),
+    _line("0.19.1", _FIELDS_018, _QUEUE_018, _POOL_018, "2.10"),
+    _line("0.20.2", _FIELDS_018, _QUEUE_018, _POOL_018, "2.11"),
+    _line("0.21.0", _FIELDS_018, _QUEUE_018, _POOL_018, "2.11"),
+    _line("0.22.1", _FIELDS_018, _QUEUE_018, _POOL_018, "2.11"),
+    _line("0.23.0", _FIELDS_018, _QUEUE_023, _POOL_023, "2.11"),
+    _line("0.24.0", _FIELDS_024, _QUEUE_023, _POOL_018, "2.11"),
+    _line("0.25.1", _FIELDS_024, _QUEUE_023, _POOL_018, "2.11"),
+    _line("0.26.0", _FIELDS_024, _QUEUE_026, _POOL_018, "2.11"),
+    _line("0.27.1", _FIELDS_024, _QUEUE_026, _POOL_018, "2.13"),
+    _line("0.28.0", _FIELDS_024, _QUEUE_026, _POOL_018, "2.13"),
+    _line("0.29.0", _FIELDS_024, _QUEUE_026, _POOL_018, "2.13"),
     _line("0.30.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
     _line("0.31.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
     _line("0.32.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
@@ -145,7 +154,7 @@ LINES: tuple[Line, ...] = (
 
 
 def accepted() -> str:
-    """The accepted lines for a message, oldest first: ``0.23, 0.24, ...``."""
+    """The accepted lines for a message, oldest first: ``0.18, 0.19, ...``."""
     return ", ".join(line.name for line in LINES)
 
 
