@@ -346,6 +346,8 @@ def test_unknown_version_refused(monkeypatch: pytest.MonkeyPatch, version: str) 
         ("0.31.0", LINES[0], "is not what kvqueue knows of vLLM 0.31: KVCacheBlock has fields"),
         ("0.23.0", LINES[-1], "is not what kvqueue knows of vLLM 0.23: KVCacheBlock has fields"),
         ("0.25.1", find("0.26.0"), "of vLLM 0.25: FreeKVCacheBlockQueue has methods"),
+        # A queue with front insertion is not what the lines before 0.23 have.
+        ("0.22.1", find("0.23.0"), "of vLLM 0.22: FreeKVCacheBlockQueue has methods"),
     ],
 )
 def test_a_layout_unlike_its_lines_refused(
