@@ -15,7 +15,7 @@ import pytest
 import kvqueue
 import kvqueue.vllm as kv_vllm
 from kvqueue import _env
-from kvqueue.vllm import _plugin
+from kvqueue.vllm import _lines, _plugin
 from kvqueue.vllm._lines import LINES, Line, find
 
 from support.blocks import layout
@@ -671,6 +671,7 @@ def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
     assert record.levelname == "WARNING"
     assert "kvqueue stays off (KVQUEUE_VLLM=auto)" in record.getMessage()
     assert f"{LINES[0].name}, {LINES[1].name}" in record.getMessage()
+    assert f"not vLLM {OLDER} ({_lines.OLDER})" in record.getMessage()
 
 
 def test_plugin_auto_on_a_newer_vllm_says_what_and_how_to_check(

@@ -16,6 +16,7 @@ from .. import _errors
 
 __all__ = (
     "LINES",
+    "OLDER",
     "Line",
     "accepted",
     "find",
@@ -153,6 +154,13 @@ LINES: tuple[Line, ...] = (
 )
 
 
+#: Why a line older than every row is refused, as 0.17.1's wheel says (make vllm-line-check).
+OLDER = (
+    f"vLLM before {LINES[0].name} has no slotted KVCacheBlock (0.17's is a dataclass without "
+    "slots), and kvqueue's queue links only blocks whose links are slots"
+)
+
+
 def accepted() -> str:
     """The accepted lines for a message, oldest first: ``0.18, 0.19, ...``."""
     return ", ".join(line.name for line in LINES)
@@ -168,7 +176,8 @@ def verdict(version: str | None) -> str:
         return "not accepted: no version kvqueue can read"
     if minor > LINES[-1].minor:
         return f"not accepted yet: {_newer(version or '')}"
-    return f"not accepted: kvqueue accepts {LINES[0].name} to {LINES[-1].name}"
+    older = f" ({OLDER})" if minor < LINES[0].minor else ""
+    return f"not accepted: kvqueue accepts {LINES[0].name} to {LINES[-1].name}{older}"
 
 
 def _newer(version: str) -> str:
@@ -250,8 +259,12 @@ def line_of(
     elif check_version:
         seen = "an unknown version" if version is None else f"vLLM {version}"
         minor = parse(version) if version is not None else None
-        newer = f": {_newer(version)}" if version and minor and minor > LINES[-1].minor else ""
-        raise _errors.not_accepted(accepted(), seen, newer)
+        why = ""
+        if version and minor and minor > LINES[-1].minor:
+            why = f": {_newer(version)}"
+        elif minor is not None and minor < LINES[0].minor:
+            why = f" ({OLDER})"
+        raise _errors.not_accepted(accepted(), seen, why)
     for candidate in reversed(LINES):
         if mismatch(candidate, block_class, queue_class, pool_class) is None:
             return candidate
