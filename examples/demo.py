@@ -253,7 +253,7 @@ def verdict(counts: dict[str, dict[str, int]], stopped: bool, alone_pool_wrong: 
     total = sum(alone.values())
     if alone["wrong"]:
         said = f"vLLM alone served {alone['wrong']} of {total} wrong, silently"
-    else:  # the damage may not have reached a completion yet (vLLM 0.23 loses the block)
+    else:  # the damage may not have reached a completion yet (vLLM 0.18-0.23 lose the block)
         said = f"vLLM alone served {alone['right']} of {total} right"
         said += ", its pool wrong" if alone_pool_wrong else ""
     if alone["unserved"]:

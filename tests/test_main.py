@@ -260,12 +260,15 @@ def _versioned_vllm(root: Any, version: str) -> str:
 
 def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
     """Text and JSON say which vLLM is installed and what the table of lines says of it:
-    the newest line accepted, one line newer not yet (and how to check it)."""
-    from kvqueue.vllm._lines import LINES
+    the newest line accepted, one line newer not yet (and how to check it), one line older
+    not (and why)."""
+    from kvqueue.vllm._lines import LINES, OLDER
 
     newest = LINES[-1]
     newer = f"{newest.minor[0]}.{newest.minor[1] + 1}.0"
+    older = f"{LINES[0].minor[0]}.{LINES[0].minor[1] - 1}.1"
     for version, said in (
+        (older, f"not accepted: kvqueue accepts {LINES[0].name} to {newest.name} ({OLDER})"),
         (newest.release, f"accepted: line {newest.name}, proven at {newest.release}"),
         (newer, f"not accepted yet: vLLM {newer} is newer than the newest line"),
     ):

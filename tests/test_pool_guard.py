@@ -80,7 +80,7 @@ def test_a_double_free_in_one_call_on_every_line(
 def test_a_block_listed_as_often_as_it_is_held_is_queued_once(
     queue_mod: ModuleType, each_line: Line
 ) -> None:
-    """0.23 releases every occurrence before it queues those at 0: a block held twice and
+    """0.18-0.23 release every occurrence before they queue those at 0: a block held twice and
     listed twice would be queued twice, and the queue would refuse the second link."""
     for pool in _pool(queue_mod, each_line, "raise"):
         first, second = pool.get_new_blocks(2)
@@ -747,7 +747,7 @@ def _vllms_block_class(of: Line) -> type:
 
 
 def test_remove_of_an_invalid_block_says_what_vllm_says(queue_mod: ModuleType) -> None:
-    # Every layout: 0.23 (no token count), 0.24-0.33 (private hash fields), 0.34+ (public).
+    # Every layout: 0.18-0.23 (no token count), 0.24-0.33 (private hash fields), 0.34+ (public).
     for of in LINES:
         cls = _vllms_block_class(of)
         blocks = [cls(i) for i in range(3)]

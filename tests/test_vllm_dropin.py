@@ -16,8 +16,8 @@ import pytest
 import kvqueue
 import kvqueue.vllm as kv_vllm
 from kvqueue import _env
-from kvqueue.vllm import _audit, _plugin
-from kvqueue.vllm._lines import LINES, Line
+from kvqueue.vllm import _audit, _lines, _plugin
+from kvqueue.vllm._lines import LINES, Line, find
 
 from support.blocks import layout
 from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
@@ -346,7 +346,9 @@ def test_unknown_version_refused(monkeypatch: pytest.MonkeyPatch, version: str) 
     [
         ("0.31.0", LINES[0], "is not what kvqueue knows of vLLM 0.31: KVCacheBlock has fields"),
         ("0.23.0", LINES[-1], "is not what kvqueue knows of vLLM 0.23: KVCacheBlock has fields"),
-        ("0.25.1", LINES[3], "of vLLM 0.25: FreeKVCacheBlockQueue has methods"),
+        ("0.25.1", find("0.26.0"), "of vLLM 0.25: FreeKVCacheBlockQueue has methods"),
+        # A queue with front insertion is not what the lines before 0.23 have.
+        ("0.22.1", find("0.23.0"), "of vLLM 0.22: FreeKVCacheBlockQueue has methods"),
     ],
 )
 def test_a_layout_unlike_its_lines_refused(
@@ -670,6 +672,7 @@ def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
     assert record.levelname == "WARNING"
     assert "kvqueue stays off (KVQUEUE_VLLM=auto)" in record.getMessage()
     assert f"{LINES[0].name}, {LINES[1].name}" in record.getMessage()
+    assert f"not vLLM {OLDER} ({_lines.OLDER})" in record.getMessage()
 
 
 def test_plugin_auto_on_a_newer_vllm_says_what_and_how_to_check(
@@ -855,14 +858,16 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
 
 
 @pytest.mark.parametrize("pool_guard", [True, False])
+@pytest.mark.parametrize(
+    "line", [each for each in LINES if each.counts_first], ids=lambda each: each.name
+)
 def test_a_block_freed_by_each_of_its_references_in_one_call_is_kept(
-    monkeypatch: pytest.MonkeyPatch, queue_mod: ModuleType, pool_guard: bool
+    monkeypatch: pytest.MonkeyPatch, queue_mod: ModuleType, pool_guard: bool, line: Line
 ) -> None:
-    """VLLM 0.23 queues such a block once per occurrence, which the queue
+    """VLLM 0.18-0.23 queue such a block once per occurrence, which the queue
     refuses under "raise" after vLLM released every count; with the guard off too, the
     block is queued once, at 0, not lost."""
-    (oldest,) = [line for line in LINES if line.counts_first]
-    fake = FakeVllm(monkeypatch, line=oldest)
+    fake = FakeVllm(monkeypatch, line=line)
     vllms_free = fake.pool.BlockPool.free_blocks
     kv_vllm.install(_implementation(queue_mod), on_misuse="raise", pool_guard=pool_guard)
     assert kv_vllm.status()["pool_guard"] is pool_guard

@@ -4,10 +4,11 @@ Reads the release's wheel (downloaded once into ``<cache>/wheels``, as lines.py 
 importing it: ``KVCacheBlock``'s fields and how it names its pool, ``FreeKVCacheBlockQueue``'s
 methods, the guarded ``BlockPool`` methods' parameters, the other ``BlockPool`` methods that
 write a ``ref_cnt``, and the torch it pins. A release that is a row of the table already is
-checked against its row. Any other is compared with the newest row, and with the source of
-the newest row's release (the guarded methods, the block and the queue, docstrings and
-comments aside): when nothing but the version moved it prints the row to add; else exactly
-what differs, which kvqueue's code must learn before the row can be added.
+checked against its row. Any other is compared with the newest row (a release older than
+every row: with the oldest), and with the source of that row's release (the guarded methods,
+the block and the queue, docstrings and comments aside): when nothing but the version moved
+it prints the row to add; else exactly what differs, which kvqueue's code must learn before
+the row can be added.
 
 Exit status: 0 when the release is a row already and its wheel agrees (the Makefile then runs
 its suites three ways); 1 when the printed row is to be added; 2 when the code must learn
@@ -208,7 +209,9 @@ def main() -> int:
             return 2
         print(f"vLLM {release}: its wheel agrees with its row ({time.monotonic() - start:.0f} s)")
         return 0
-    against = find(args.against) if args.against else LINES[-1]
+    # A release older than every row is read against the oldest, which it would precede.
+    older = parse(release) < LINES[0].minor  # type: ignore[operator]
+    against = find(args.against) if args.against else LINES[0] if older else LINES[-1]
     if against is None:
         raise SystemExit(f"line_check.py: {args.against} is no row of the table")
     problems = differences(against, new, facts_of(against.release))
@@ -223,6 +226,8 @@ def main() -> int:
     where = (
         f"in place of the row of {row.name}"
         if row is not None
+        else f"before the row of {LINES[0].name}"
+        if older
         else f"after the row of {against.name}"
     )
     print(f"vLLM {release} is read as vLLM {against.release} is ({seconds:.0f} s). The row to add")

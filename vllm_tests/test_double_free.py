@@ -15,8 +15,8 @@ vllm_tests/DOUBLE_FREE.md.
 
 The pool is whichever vLLM line is importable (``make vllm-tests VLLM=0.31.0`` lays that line
 over the venv, vllm_tests/lines.py); what the line has is read from ``kvqueue.vllm._lines``:
-0.23 counts every occurrence first and queues at 0 (a duplicate held once is lost, one held
-twice is queued twice) and appends what it frees; later lines classify inside the loop and
+0.18-0.23 count every occurrence first and queue at 0 (a duplicate held once is lost, one held
+twice is queued twice) and append what they free; later lines classify inside the loop and
 prepend an unhashed block; ``unpin_blocks`` and blocks naming their pool come with 0.30.
 """
 
@@ -127,7 +127,7 @@ def double_free(pool: Any) -> tuple[list[Any], Any]:
 # -- vLLM's own queue: silent corruption, a bare assertion later ---------------------------
 
 
-@pytest.mark.skipif(LINE.counts_first, reason="0.23 appends: the test after this one")
+@pytest.mark.skipif(LINE.counts_first, reason="0.18-0.23 append: the test after this one")
 def test_vllm_queue_double_free_corrupts_the_list_silently(monkeypatch):
     pool = new_pool("vllm", None, monkeypatch)
     blocks, second_free = double_free(pool)
@@ -147,8 +147,8 @@ def test_vllm_queue_double_free_corrupts_the_list_silently(monkeypatch):
 
 
 @pytest.mark.skipif(not LINE.counts_first, reason="from 0.24 an unhashed block is prepended")
-def test_vllm_023_hands_out_the_queues_own_tail(monkeypatch):
-    """0.23 appends what it frees: the block is linked after itself at the tail, the list
+def test_vllm_counting_first_hands_out_the_queues_own_tail(monkeypatch):
+    """0.18-0.23 append what they free: the block is linked after itself at the tail, the list
     reads it once, the count has one more, and the allocation past the list hands out the
     queue's sentinel tail (``block_id`` -1) as a block, with no assertion on the way."""
     pool = new_pool("vllm", None, monkeypatch)
@@ -164,7 +164,7 @@ def test_vllm_023_hands_out_the_queues_own_tail(monkeypatch):
     assert handed[-1].block_id == -1
 
 
-@pytest.mark.skipif(LINE.counts_first, reason="0.23 asserts nothing on the way (test above)")
+@pytest.mark.skipif(LINE.counts_first, reason="0.18-0.23 assert nothing on the way (test above)")
 def test_vllm_queue_without_asserts_hands_one_block_to_many_requests(tmp_path):
     """Under ``python -O`` the assertion is gone: the same block goes to every request."""
     script = tmp_path / "double_free.py"
@@ -284,7 +284,7 @@ def two_holders(pool: Any) -> tuple[Any, list[Any]]:
     return block, pool.get_new_blocks(pool.get_num_free_blocks())
 
 
-@pytest.mark.skipif(LINE.counts_first, reason="0.23 loses the block instead (tests below)")
+@pytest.mark.skipif(LINE.counts_first, reason="0.18-0.23 lose the block instead (tests below)")
 def test_vllm_alone_gives_one_block_two_holders(monkeypatch):
     """vLLM decrements per occurrence and links at 0 only: ``ref_cnt`` ends at -1 with every
     queue call valid, ``touch`` takes it to 0 without unlinking it, and the next
@@ -304,8 +304,8 @@ def test_vllm_alone_gives_one_block_two_holders(monkeypatch):
 
 
 @pytest.mark.skipif(not LINE.counts_first, reason="from 0.24 the block is linked at 0")
-def test_vllm_023_loses_a_block_listed_twice(monkeypatch):
-    """0.23 decrements every occurrence before it queues those at 0: a block held once and
+def test_vllm_counting_first_loses_a_block_listed_twice(monkeypatch):
+    """0.18-0.23 decrement every occurrence before they queue those at 0: a block held once and
     listed twice ends at -1 and is never queued; nobody holds it, and no free ever brings it
     back (a holder's free takes it from 0 to -1 again)."""
     pool = new_pool("vllm", None, monkeypatch)
@@ -323,7 +323,7 @@ def test_vllm_023_loses_a_block_listed_twice(monkeypatch):
 
 
 @pytest.mark.skipif(not LINE.counts_first, reason="from 0.24 the block is queued once")
-def test_vllm_023_queues_a_block_held_twice_and_listed_twice_twice(monkeypatch):
+def test_vllm_counting_first_queues_a_block_held_twice_and_listed_twice_twice(monkeypatch):
     pool = new_pool("vllm", None, monkeypatch)
     (block,) = pool.get_new_blocks(1)
     pool.touch([block])
@@ -337,7 +337,7 @@ def test_vllm_023_queues_a_block_held_twice_and_listed_twice_twice(monkeypatch):
 @pytest.mark.parametrize("pool_guard", [True, False])
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_kvqueue_queues_a_block_held_twice_and_listed_twice_once(kind, pool_guard, monkeypatch):
-    """The queue refuses a block twice in one batch, after vLLM 0.23
+    """The queue refuses a block twice in one batch, after vLLM 0.18-0.23
     released every count; with the guard off too, it is queued once and not lost."""
     pool = new_pool(kind, "raise", monkeypatch, pool_guard=pool_guard)
     (block,) = pool.get_new_blocks(1)
@@ -388,7 +388,7 @@ def test_negative_count_left_by_an_unguarded_free(kind, policy, monkeypatch):
     finally:
         kvqueue_vllm.install(kind)
     assert block.ref_cnt == -1
-    # 0.23 never queued it (lost); later lines queued it at the first 0, so it is at the head.
+    # 0.18-0.23 never queued it (lost); later lines queued it at the first 0, so it is at the head.
     assert (block.block_id in linked_ids(pool)) is not LINE.counts_first
     if policy == "raise":
         with pytest.raises(
@@ -627,7 +627,7 @@ def test_uninstall_restores_every_method_exactly():
         name for name, value in vars(BlockPool).items() if value is not before.get(name)
     } == guarded
     kvqueue_vllm.install("python", pool_guard=False)
-    # With the guard off, 0.23's free_blocks keeps kvqueue's correction, or a block
+    # With the guard off, 0.18-0.23's free_blocks keeps kvqueue's correction, or a block
     # it is given as many times as it holds references would be lost.
     corrected = {"free_blocks"} if LINE.counts_first else set()
     assert {

@@ -207,7 +207,7 @@ def test_a_count_of_another_type(kind: str, count: Any) -> None:
 
 @pytest.mark.parametrize("kind", KVQUEUE)
 def test_a_block_listed_as_often_as_it_is_held_is_queued_once(kind: str) -> None:
-    """0.23 releases every occurrence before it queues those at 0 (a block held twice and
+    """0.18-0.23 release every occurrence before they queue those at 0 (a block held twice and
     listed twice would be queued twice); every line frees it once, and the queue is whole."""
     pool = new_pool(kind, "raise")
     first, second = pool.get_new_blocks(2)

@@ -244,7 +244,7 @@ def test_vllm_alone_serves_wrong_completions_or_dies(runs: Runs, form: str) -> N
     out again while held: a completion comes out wrong, with no error, unless the engine core
     dies first at get_new_blocks' bare assert (the block popped at ref_cnt -1).
 
-    vLLM 0.23 decrements every occurrence before it queues any, and queues a block only at 0:
+    vLLM 0.18-0.23 decrement every occurrence before they queue any, and queue a block only at 0:
     given twice (A), the block is at -1 and in no free list, lost to the pool, and nobody
     else is handed it."""
     run = runs.get(None, inject=form)

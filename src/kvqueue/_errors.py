@@ -119,10 +119,10 @@ def not_this_line(version: str | None, line: str, problem: str) -> VLLMLayoutErr
     return VLLMLayoutError(f"vLLM {version} is not what kvqueue knows of vLLM {line}: {problem}")
 
 
-def not_accepted(accepted: str, seen: str, newer: str) -> VLLMLayoutError:
+def not_accepted(accepted: str, seen: str, why: str) -> VLLMLayoutError:
     return VLLMLayoutError(
         f"kvqueue accepts the vLLM lines whose own suites pass with it ({accepted}), not "
-        f"{seen}{newer}; install(check_version=False) tries the line whose layout this vLLM has"
+        f"{seen}{why}; install(check_version=False) tries the line whose layout this vLLM has"
     )
 
 

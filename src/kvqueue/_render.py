@@ -19,7 +19,7 @@ _qualname = type.__dict__["__qualname__"].__get__
 _namespace = type.__dict__["__dict__"].__get__
 _BOUND = slice(0, 80)
 # Where vLLM defines its block class; the fields its __repr__ shows (every line has the
-# same __repr__ but 0.23, whose blocks lack _block_hash_num_tokens and so its field, and
+# same __repr__ but 0.18-0.23, whose blocks lack _block_hash_num_tokens and so its field, and
 # 0.34+, whose hash fields are public slots: block_hash, block_hash_num_tokens).
 _VLLM_BLOCK_MODULE = "vllm.v1.core.kv_cache_utils"
 _REPR_FIELDS = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens")

@@ -29,7 +29,7 @@ def line(name: str) -> Line:
 
 
 # The blocks of the lines before 0.30, which name no pool, field for field as the lines'
-# table has them (0.24-0.29 add ``_block_hash_num_tokens``).
+# table has them (0.18-0.23's; 0.24-0.29 add ``_block_hash_num_tokens``).
 Block023 = layout("Block023", line("0.23").block_fields)
 Block024 = layout("Block024", line("0.24").block_fields)
 # 0.34+: public hash fields, and ``pool`` a weak reference (the pool's ``_weak_self``).
@@ -87,6 +87,17 @@ def _touch(skips_null: bool) -> Callable[..., None]:
             block.ref_cnt += 1
 
     return touch
+
+
+def _free_appending(self: Any, ordered_blocks: Any) -> None:
+    # 0.18-0.22: every occurrence released, then every occurrence at 0 appended (the
+    # queue has no front insertion).
+    every = list(ordered_blocks)
+    for block in every:
+        block.ref_cnt -= 1
+    self.free_block_queue.append_n(
+        [block for block in every if block.ref_cnt == 0 and not block.is_null]
+    )
 
 
 def _free_counting_first(self: Any, ordered_blocks: Any, prepend: bool = False) -> None:
@@ -166,7 +177,9 @@ def pool_class(
     methods: dict[str, Any] = {
         "get_new_blocks": _get_new_blocks,
         "touch": _touch(of.skips_null),
-        "free_blocks": _free_counting_first
+        "free_blocks": (
+            _free_counting_first if "prepend" in of.pool_methods["free_blocks"] else _free_appending
+        )
         if of.counts_first
         else _free_weak
         if of.weak_pool

@@ -24,7 +24,7 @@ import torch
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.worker.worker_base import CompilationTimes
+from vllm.v1.worker import worker_base
 
 from live import model
 
@@ -83,8 +83,10 @@ class StubWorker:
         (config,) = kv_cache_configs
         self.kv = torch.full((config.num_blocks, self.block_size), UNWRITTEN, dtype=torch.int64)
 
-    def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(language_model=0.0, encoder=0.0)
+    def compile_or_warm_up_model(self) -> Any:
+        # 0.18-0.19 take the warm-up's time as a float, later lines as CompilationTimes.
+        times = getattr(worker_base, "CompilationTimes", None)
+        return 0.0 if times is None else times(language_model=0.0, encoder=0.0)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)

@@ -150,7 +150,7 @@ def install(
     ``"repair"`` or None) is passed to every queue built through vLLM's name, unless the
     caller passes its own; None leaves the choice to ``KVQUEUE_ON_MISUSE``, read when each
     queue is built. A pool's guard follows its queue's policy. ``pool_guard=False`` leaves
-    ``BlockPool``'s methods unguarded; on vLLM 0.23 its ``free_blocks`` is still corrected
+    ``BlockPool``'s methods unguarded; on vLLM 0.18-0.23 its ``free_blocks`` is still corrected
     to queue once a block it is given as many times as it holds references (vLLM queues it
     once per occurrence, and kvqueue's queue, refusing that, would lose it). Calling it
     again is a no-op, or switches the implementation, the policy or the guard; a switch of
@@ -353,7 +353,7 @@ def uninstall() -> bool:
     whenever it was imported. A name or method that someone else rebound after
     :func:`install` is left as they set it. Pools built while kvqueue was installed keep
     their kvqueue queues (and the policy they were built with), unguarded and, on vLLM
-    0.23, uncorrected: a block freed there as many times as it holds references in one
+    0.18-0.23, uncorrected: a block freed there as many times as it holds references in one
     call is refused by the queue after vLLM released it, and lost. Build them again.
     """
     global _installed

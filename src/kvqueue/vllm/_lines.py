@@ -16,6 +16,7 @@ from .. import _errors
 
 __all__ = (
     "LINES",
+    "OLDER",
     "Line",
     "accepted",
     "find",
@@ -25,7 +26,7 @@ __all__ = (
     "verdict",
 )
 
-_FIELDS_023 = (
+_FIELDS_018 = (
     "block_id",
     "ref_cnt",
     "_block_hash",
@@ -33,24 +34,28 @@ _FIELDS_023 = (
     "next_free_block",
     "is_null",
 )
-_FIELDS_024 = (*_FIELDS_023[:3], "_block_hash_num_tokens", *_FIELDS_023[3:])
+_FIELDS_024 = (*_FIELDS_018[:3], "_block_hash_num_tokens", *_FIELDS_018[3:])
 _FIELDS_030 = (*_FIELDS_024[:2], "pool", *_FIELDS_024[2:])
 # 0.34: the hash fields are public (their read-only properties gone).
 _FIELDS_034 = tuple(name.lstrip("_") for name in _FIELDS_030)
 
-_QUEUE_023 = frozenset(
-    ("popleft", "popleft_n", "remove", "append", "prepend_n", "append_n", "get_all_free_blocks")
+# Before 0.23 vLLM's queue has no front insertion: its pools only append. kvqueue's queue
+# keeps prepend_n on every line; a pool of such a line never calls it.
+_QUEUE_018 = frozenset(
+    ("popleft", "popleft_n", "remove", "append", "append_n", "get_all_free_blocks")
 )
+_QUEUE_023 = _QUEUE_018 | {"prepend_n"}
 _QUEUE_026 = _QUEUE_023 | {"iter_blocks_after"}
 
 # The guarded BlockPool methods each line defines, with their parameters after ``self``.
-_POOL_023 = {
+# Only 0.23's free_blocks takes ``prepend``: the lines before it had no front insertion.
+_POOL_018: dict[str, tuple[str, ...]] = {
     "get_new_blocks": ("num_blocks",),
     "touch": ("blocks",),
-    "free_blocks": ("ordered_blocks", "prepend"),
+    "free_blocks": ("ordered_blocks",),
 }
-_POOL_024 = {**_POOL_023, "free_blocks": ("ordered_blocks",)}
-_POOL_030 = {**_POOL_024, "unpin_blocks": ("blocks", "on_reuse")}
+_POOL_023 = {**_POOL_018, "free_blocks": ("ordered_blocks", "prepend")}
+_POOL_030 = {**_POOL_018, "unpin_blocks": ("blocks", "on_reuse")}
 _POOL_034 = {**_POOL_030, "free_blocks": ("ordered_blocks", "evict_first")}
 
 
@@ -79,7 +84,7 @@ class Line:
     queue_methods: frozenset[str]
     #: The guarded ``BlockPool`` methods the line defines, each with its parameter names.
     pool_methods: dict[str, tuple[str, ...]]
-    #: ``free_blocks`` decrements every occurrence before it queues any (0.23): a block
+    #: ``free_blocks`` decrements every occurrence before it queues any (0.18-0.23): a block
     #: listed twice is queued twice; later lines classify each block inside the loop.
     counts_first: bool
     #: ``free_blocks`` and ``touch`` skip null blocks before touching ``ref_cnt`` (0.33+).
@@ -129,13 +134,18 @@ def _line(
 
 
 LINES: tuple[Line, ...] = (
-    _line("0.23.0", _FIELDS_023, _QUEUE_023, _POOL_023, "2.11"),
-    _line("0.24.0", _FIELDS_024, _QUEUE_023, _POOL_024, "2.11"),
-    _line("0.25.1", _FIELDS_024, _QUEUE_023, _POOL_024, "2.11"),
-    _line("0.26.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.11"),
-    _line("0.27.1", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
-    _line("0.28.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
-    _line("0.29.0", _FIELDS_024, _QUEUE_026, _POOL_024, "2.13"),
+    _line("0.18.1", _FIELDS_018, _QUEUE_018, _POOL_018, "2.10"),
+    _line("0.19.1", _FIELDS_018, _QUEUE_018, _POOL_018, "2.10"),
+    _line("0.20.2", _FIELDS_018, _QUEUE_018, _POOL_018, "2.11"),
+    _line("0.21.0", _FIELDS_018, _QUEUE_018, _POOL_018, "2.11"),
+    _line("0.22.1", _FIELDS_018, _QUEUE_018, _POOL_018, "2.11"),
+    _line("0.23.0", _FIELDS_018, _QUEUE_023, _POOL_023, "2.11"),
+    _line("0.24.0", _FIELDS_024, _QUEUE_023, _POOL_018, "2.11"),
+    _line("0.25.1", _FIELDS_024, _QUEUE_023, _POOL_018, "2.11"),
+    _line("0.26.0", _FIELDS_024, _QUEUE_026, _POOL_018, "2.11"),
+    _line("0.27.1", _FIELDS_024, _QUEUE_026, _POOL_018, "2.13"),
+    _line("0.28.0", _FIELDS_024, _QUEUE_026, _POOL_018, "2.13"),
+    _line("0.29.0", _FIELDS_024, _QUEUE_026, _POOL_018, "2.13"),
     _line("0.30.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
     _line("0.31.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
     _line("0.32.0", _FIELDS_030, _QUEUE_026, _POOL_030, "2.13"),
@@ -144,8 +154,15 @@ LINES: tuple[Line, ...] = (
 )
 
 
+#: Why a line older than every row is refused, as 0.17.1's wheel says (make vllm-line-check).
+OLDER = (
+    f"vLLM before {LINES[0].name} has no slotted KVCacheBlock (0.17's is a dataclass without "
+    "slots), and kvqueue's queue links only blocks whose links are slots"
+)
+
+
 def accepted() -> str:
-    """The accepted lines for a message, oldest first: ``0.23, 0.24, ...``."""
+    """The accepted lines for a message, oldest first: ``0.18, 0.19, ...``."""
     return ", ".join(line.name for line in LINES)
 
 
@@ -159,7 +176,8 @@ def verdict(version: str | None) -> str:
         return "not accepted: no version kvqueue can read"
     if minor > LINES[-1].minor:
         return f"not accepted yet: {_newer(version or '')}"
-    return f"not accepted: kvqueue accepts {LINES[0].name} to {LINES[-1].name}"
+    older = f" ({OLDER})" if minor < LINES[0].minor else ""
+    return f"not accepted: kvqueue accepts {LINES[0].name} to {LINES[-1].name}{older}"
 
 
 def _newer(version: str) -> str:
@@ -241,8 +259,12 @@ def line_of(
     elif check_version:
         seen = "an unknown version" if version is None else f"vLLM {version}"
         minor = parse(version) if version is not None else None
-        newer = f": {_newer(version)}" if version and minor and minor > LINES[-1].minor else ""
-        raise _errors.not_accepted(accepted(), seen, newer)
+        why = ""
+        if version and minor and minor > LINES[-1].minor:
+            why = f": {_newer(version)}"
+        elif minor is not None and minor < LINES[0].minor:
+            why = f" ({OLDER})"
+        raise _errors.not_accepted(accepted(), seen, why)
     for candidate in reversed(LINES):
         if mismatch(candidate, block_class, queue_class, pool_class) is None:
             return candidate

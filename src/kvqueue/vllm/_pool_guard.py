@@ -14,7 +14,7 @@ Each guard follows its vLLM line (``kvqueue.vllm._lines.Line``): the parameters 
 method it wraps (0.34's ``free_blocks`` takes ``evict_first`` too, passed on as given),
 whether blocks name their pool (0.30+) and how (0.34+: by a weak reference, the pool's
 ``_weak_self``), and whether ``free_blocks`` decrements every occurrence before it queues
-any (0.23, which would queue a block listed twice twice: the guard passes it once, its
+any (0.18-0.23, which would queue a block listed twice twice: the guard passes it once, its
 other references released here, and so does the correction made with the guard off).
 
 kvqueue's guards are known by identity (a registry of the functions made here), never by
@@ -51,7 +51,7 @@ GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
 #: The ``KVCacheManager`` method the holder audit runs in: the first the scheduler calls in
 #: a step, before any block is counted free for a request or handed out.
 AUDITED = ("new_step_starts",)
-#: What kvqueue corrects with the guard off, on a line that counts first (vLLM 0.23): its
+#: What kvqueue corrects with the guard off, on a line that counts first (vLLM 0.18-0.23): its
 #: ``free_blocks`` queues a block once per occurrence, which kvqueue's queue refuses after
 #: vLLM released every count (the block would be lost), where the guard queues it once.
 CORRECTED = ("free_blocks",)

@@ -216,7 +216,7 @@ def _screen_other(owner: Any, group: list[Any], line: Any, guard_of: GuardOf) ->
 
 def once_each(refs: dict[int, int], kept: list[Any]) -> list[Any]:
     """``kept`` with each block that its occurrences take to 0 (``refs``: its ``ref_cnt``
-    by id) once, at its first place, its other references released here: vLLM 0.23 would
+    by id) once, at its first place, its other references released here: vLLM 0.18-0.23 would
     queue it once per occurrence."""
     times: dict[int, int] = {}
     for block in kept:
