@@ -27,8 +27,9 @@ import sched_engine
 from launch import bootstrap_median, interval
 from sched_engine import WORKLOADS
 
-from kvqueue.vllm import _audit, _pool_guard
-from kvqueue.vllm._pool_guard import GUARDED
+from kvqueue.vllm import _audit, _pool_guard, _registry
+
+GUARDED = tuple(_registry.GUARDED)
 
 CONTENDERS = ("vllm", "cython", "cython+guard", "python", "python+guard")
 REFERENCE = "vllm"

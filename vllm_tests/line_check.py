@@ -31,7 +31,7 @@ import lines
 
 from kvqueue.vllm import _lines
 from kvqueue.vllm._lines import LINES, Line, find, parse
-from kvqueue.vllm._pool_guard import GUARDED
+from kvqueue.vllm._registry import GUARDED
 
 _UTILS = "vllm/v1/core/kv_cache_utils.py"
 _POOL = "vllm/v1/core/block_pool.py"

@@ -25,7 +25,7 @@ from typing import Any
 import kvqueue
 
 from . import _env, _twin
-from .vllm import _foreign, _lines, _plugin
+from .vllm import _foreign, _lines, _plugin, _registry
 
 
 def report() -> tuple[dict[str, Any], list[str]]:
@@ -111,13 +111,11 @@ def _call(point: Any) -> str | None:
 
 def _bypassing(points: list[Any]) -> list[str]:
     """The guarded methods that plugins vLLM calls after kvqueue's replace: bypassed."""
-    from .vllm import _pool_guard
-
     try:
         pool_class = vars(importlib.import_module("vllm.v1.core.block_pool"))["BlockPool"]
     except (Exception, SystemExit):
         return []
-    was = {name: vars(pool_class).get(name) for name in _pool_guard.GUARDED}
+    was = {name: vars(pool_class).get(name) for name in _registry.GUARDED}
     problems = _run(points)
     for name, method in was.items():
         now = vars(pool_class).get(name)

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from .. import _env, _errors, _log, _policy, _twin
 from .._block import check_block_type
 from .._errors import HolderAuditError, VLLMLayoutError
-from . import _foreign, _lines, _pool_guard
+from . import _foreign, _lines, _pool_guard, _registry
 from ._lines import Line
 from ._report import audit_findings, audited_steps, pool_repairs
 
@@ -237,9 +237,9 @@ def _checked(
         raise VLLMLayoutError(f"{_POOL} defines no BlockPool class")
     manager_class = vars(importlib.import_module(_MANAGER)).get("KVCacheManager")
     if not isinstance(manager_class, type) or not callable(
-        vars(manager_class).get("new_step_starts")
+        vars(manager_class).get(_registry.AUDIT_HOOK)
     ):
-        raise VLLMLayoutError(f"{_MANAGER} defines no KVCacheManager.new_step_starts")
+        raise VLLMLayoutError(f"{_MANAGER} defines no KVCacheManager.{_registry.AUDIT_HOOK}")
     version = _version(vllm)
     line = _lines.line_of(version, block_class, original, pool_class, check_version=check_version)
     try:

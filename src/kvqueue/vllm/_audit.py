@@ -35,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import _errors, _log, _render
-from . import _report
+from . import _registry, _report
 
 __all__ = ("audit_holders",)
 
@@ -123,7 +123,7 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         _report.count_finding(kind)
     if policy == "raise":
         kind, block = found[0]
-        _report.count_refusal("new_step_starts", kind)
+        _report.count_refusal(_registry.AUDIT_HOOK, kind)
         raise _errors.audit_finding(
             _report.named(block),
             _what(kind, block, holders[id(block)]),
@@ -143,7 +143,7 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         if refs < len(listed):
             block.ref_cnt = len(listed)
             steps.append(f"ref_cnt {_render.number(refs)} -> {len(listed)}")
-        count = _report.count_repair(pool, kind, "new_step_starts")
+        count = _report.count_repair(pool, kind, _registry.AUDIT_HOOK)
         done = ", ".join(steps) or "its ref_cnt covers its holders already; counted only"
         lines.append((kind, count, _report.named(block), what, done))
     where = _report.where(pool)

@@ -13,6 +13,7 @@ import inspect
 from typing import Any
 
 from .. import _errors
+from . import _registry
 
 __all__ = (
     "LINES",
@@ -217,7 +218,7 @@ def mismatch(line: Line, block_class: type, queue_class: type, pool_class: type)
             f"FreeKVCacheBlockQueue has methods {sorted(methods)}, "
             f"vLLM {line.name}'s are {sorted(line.queue_methods)}"
         )
-    for name in ("get_new_blocks", "touch", "free_blocks", "unpin_blocks"):
+    for name in _registry.GUARDED:
         expected = line.pool_methods.get(name)
         found: Any = inspect.getattr_static(pool_class, name, None)
         if (found is None) != (expected is None):

@@ -32,7 +32,7 @@ import tempfile
 from typing import Any
 
 from .. import _env, _log, _policy
-from . import _report
+from . import _registry, _report
 
 __all__ = ("FINDINGS", "INFO", "QUEUE_REPAIRS", "REFUSALS", "REPAIRS", "combinations", "start")
 
@@ -59,15 +59,8 @@ _OUTCOMES = {
     "found": FINDINGS,
     "queue_repaired": QUEUE_REPAIRS,
 }
-_AUDIT = "new_step_starts"
-# What each guarded method can refuse or repair.
-_KINDS: dict[str, tuple[str, ...]] = {
-    "free_blocks": ("double_free", "held_free"),
-    "unpin_blocks": ("double_free", "held_free"),
-    "touch": ("negative_ref",),
-    "get_new_blocks": ("held_free", "negative_ref"),
-    _AUDIT: _policy.AUDIT_MISUSES,
-}
+_AUDIT = _registry.AUDIT_HOOK
+_KINDS: dict[str, tuple[str, ...]] = dict(_registry.KINDS)
 _INFO_LABELS = (
     "engine",
     "model_name",

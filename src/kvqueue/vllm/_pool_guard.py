@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import _block, _env, _errors, _policy
-from . import _audit, _foreign, _report, _rules
+from . import _audit, _foreign, _registry, _report, _rules
 from ._report import pool_repairs
 
 __all__ = (
@@ -46,15 +46,11 @@ __all__ = (
     "unguard",
 )
 
-#: The methods guarded, in the order a request meets them.
-GUARDED = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
-#: The ``KVCacheManager`` method the holder audit runs in: the first the scheduler calls in
-#: a step, before any block is counted free for a request or handed out.
-AUDITED = ("new_step_starts",)
-#: What kvqueue corrects with the guard off, on a line that counts first (vLLM 0.18-0.23): its
-#: ``free_blocks`` queues a block once per occurrence, which kvqueue's queue refuses after
-#: vLLM released every count (the block would be lost), where the guard queues it once.
-CORRECTED = ("free_blocks",)
+#: The methods guarded, in the order a request meets them (``_registry``).
+GUARDED = tuple(_registry.GUARDED)
+#: The ``KVCacheManager`` method the holder audit runs in.
+AUDITED = (_registry.AUDIT_HOOK,)
+CORRECTED = _registry.CORRECTED
 
 
 class PoolPolicy:
@@ -414,7 +410,7 @@ _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
     "unpin_blocks": _free_guard,
     "touch": _touch_guard,
     "get_new_blocks": _alloc_guard,
-    "new_step_starts": _step_guard,
+    _registry.AUDIT_HOOK: _step_guard,
 }
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _log, _policy, _render
+from . import _registry
 
 __all__ = (
     "audit_findings",
@@ -83,7 +84,7 @@ def count_audit() -> None:
 
 def count_finding(kind: _policy.AuditMisuse) -> None:
     _findings[kind] += 1
-    _event("found", "new_step_starts", kind)
+    _event("found", _registry.AUDIT_HOOK, kind)
 
 
 def count_refusal(method: str, kind: str) -> None:
