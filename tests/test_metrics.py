@@ -14,16 +14,17 @@ import pytest
 
 from kvqueue import _env
 from kvqueue.vllm import _metrics, _report
+from kvqueue.vllm._lines import LINES
 
-from support.fake_pool import guarded, line, make_pool
+from support.fake_pool import guarded, make_pool
 
-NEWEST = line("0.33")
+NEWEST = LINES[-1]
 ACTIVE = {
     "state": "active",
     "twin": "cython",
     "on_misuse": "repair",
-    "vllm_line": "0.33",
-    "vllm_version": "0.33.0",
+    "vllm_line": NEWEST.name,
+    "vllm_version": NEWEST.release,
     "pool_guard": "on",
     "holder_audit": "on",
     "audit_every": "64",
@@ -142,7 +143,7 @@ def test_an_engines_counters_are_at_0_from_the_first_scrape_and_move(scraped: An
     info = 'kvqueue_info{audit_every="64",engine="1",holder_audit="on",model_name="stub-model"'
     assert info in text
     assert 'state="active"' in text
-    assert 'vllm_line="0.33"' in text
+    assert f'vllm_line="{NEWEST.name}"' in text
     _report.count_refusal("free_blocks", "double_free")
     _report.count_finding("listed_free")
     text = scraped()
