@@ -28,8 +28,8 @@ ACTIVE = {
     "pool_guard": "on",
     "holder_audit": "on",
     "audit_every": "64",
-    "guarded": "free_blocks,get_new_blocks,touch,unpin_blocks",
 }
+GUARDED = ["free_blocks", "get_new_blocks", "touch", "unpin_blocks"]
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_a_negative_count_refused_by_touch_and_get_new_blocks(queue_mod: ModuleT
 
 
 def test_every_counter_an_engine_can_move() -> None:
-    found = _metrics.combinations(ACTIVE["guarded"].split(","), True)
+    found = _metrics.combinations(GUARDED, True)
     assert ("refused", "free_blocks", "double_free") in found
     assert ("repaired", "new_step_starts", "listed_free") in found
     assert ("found", "new_step_starts", "under_counted") in found
@@ -106,7 +106,8 @@ class VllmConfig:
 
 def _as_engine(info: dict[str, str], dp_rank: int = 1) -> None:
     vllm_config = VllmConfig()  # noqa: F841 -- read from this frame, as from vLLM's engine start
-    _metrics.start(info)
+    active = info.get("state") == "active"
+    _metrics.start(info, guarded=GUARDED if active else (), audit=active)
 
 
 @pytest.fixture
@@ -121,9 +122,10 @@ def scraped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         yield lambda: client.generate_latest(registry).decode()
     finally:
         _report.watch(None)
-        for files in _metrics._files[1:3]:
-            files.close()
-        _metrics._files.clear()
+        if _metrics._files is not None:
+            _metrics._files.counters.close()
+            _metrics._files.gauges.close()
+        _metrics._files = None
 
 
 def _value(text: str, sample: str) -> float:
@@ -139,7 +141,7 @@ def test_an_engines_counters_are_at_0_from_the_first_scrape_and_move(scraped: An
     before = _report.events().get(("refused", "free_blocks", "double_free"), 0)
     assert _value(text, refused) == before
     rows = [row for row in text.splitlines() if row.startswith("kvqueue_") and "_total{" in row]
-    assert len(rows) == len(_metrics.combinations(ACTIVE["guarded"].split(","), True))
+    assert len(rows) == len(_metrics.combinations(GUARDED, True))
     info = 'kvqueue_info{audit_every="64",engine="1",holder_audit="on",model_name="stub-model"'
     assert info in text
     assert 'state="active"' in text

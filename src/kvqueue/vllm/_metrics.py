@@ -25,10 +25,12 @@ starts the metrics.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from .. import _env, _log, _policy
@@ -75,9 +77,19 @@ _INFO_LABELS = (
     "audit_every",
 )
 
-# This process's files, once an engine core's counts are written: [pid, counters, info,
-# labels (engine, model_name), the info's key].
-_files: list[Any] = []
+
+@dataclasses.dataclass
+class _Files:
+    """This process's files, once an engine core's counts are written."""
+
+    pid: int
+    counters: Any  # prometheus_client's MmapedDict of the counters
+    gauges: Any  # ... of the info gauge
+    labels: tuple[str, str]  # engine, model_name
+    info_key: str | None = None  # the info gauge's key now written at 1
+
+
+_files: _Files | None = None
 _collected: set[str] = set()
 
 
@@ -101,11 +113,18 @@ def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
     return found
 
 
-def start(info: dict[str, str], *, registry: Any = None) -> None:
+def start(
+    info: dict[str, str],
+    *,
+    guarded: Sequence[str] = (),
+    audit: bool = False,
+    registry: Any = None,
+) -> None:
     """The plugin's part: in an engine process (a ``VllmConfig`` on the calling stack), write
-    this process's counters and ``info``; in a front end, make kvqueue's directory and collect
-    it on ``registry`` (prometheus_client's default). Never raises: a metric that cannot be
-    served is logged, and vLLM runs as it would without it."""
+    ``info`` (the info gauge's labels) and, when kvqueue is active, the counters of the
+    ``guarded`` methods and of the holder ``audit`` (if it runs); in a front end, make
+    kvqueue's directory and collect it on ``registry`` (prometheus_client's default). Never
+    raises: a metric that cannot be served is logged, and vLLM runs as it would without it."""
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
@@ -115,7 +134,7 @@ def start(info: dict[str, str], *, registry: Any = None) -> None:
         if labels is None:
             _collect(registry)
         else:
-            _publish(labels, info)
+            _publish(labels, info, guarded, audit)
     except Exception as exc:  # metrics must never stop vLLM
         _log.logger.warning("kvqueue's metrics are not served: %s: %s", type(exc).__name__, exc)
 
@@ -159,33 +178,38 @@ def _collect(registry: Any) -> None:
         _collected.add(key)
 
 
-def _publish(labels: tuple[str, str], info: dict[str, str]) -> None:
+def _publish(
+    labels: tuple[str, str], info: dict[str, str], guarded: Sequence[str], audit: bool
+) -> None:
+    global _files
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
     directory = _directory()
     if directory is None:  # no front end collects: nothing to write
         return
     pid = os.getpid()
-    if not _files or _files[0] != pid:
+    if _files is None or _files.pid != pid:
         # Named apart from prometheus_client's own files of this process (counter_<pid>.db).
-        counters = MmapedDict(os.path.join(directory, f"counter_kvqueue{pid}.db"))
-        gauges = MmapedDict(os.path.join(directory, f"gauge_max_kvqueue{pid}.db"))
-        _files[:] = [pid, counters, gauges, labels, None]
-    _, counters, gauges, labels, old = _files
-    _files[3] = labels
+        _files = _Files(
+            pid,
+            MmapedDict(os.path.join(directory, f"counter_kvqueue{pid}.db")),
+            MmapedDict(os.path.join(directory, f"gauge_max_kvqueue{pid}.db")),
+            labels,
+        )
+    files = _files
+    files.labels = labels
     values = {**info, "engine": labels[0], "model_name": labels[1]}
     key = mmap_key(
         INFO, INFO, list(_INFO_LABELS), [values.get(n, "") for n in _INFO_LABELS], _HELP[INFO]
     )
-    if old is not None and old != key:
-        gauges.write_value(old, 0.0, 0.0)
-    gauges.write_value(key, 1.0, 0.0)
-    _files[4] = key
+    if files.info_key is not None and files.info_key != key:
+        files.gauges.write_value(files.info_key, 0.0, 0.0)
+    files.gauges.write_value(key, 1.0, 0.0)
+    files.info_key = key
     if info.get("state") != "active":
         return
     counts = _report.events()
-    guarded = info.get("guarded", "").split(",")
-    for event in combinations(guarded, info.get("holder_audit") == "on"):
+    for event in combinations(list(guarded), audit):
         _write(*event, counts.get(event, 0))
     for event, count in counts.items():
         _write(*event, count)
@@ -193,16 +217,17 @@ def _publish(labels: tuple[str, str], info: dict[str, str]) -> None:
 
 
 def _write(outcome: str, method: str, kind: str, count: int) -> None:
-    if not _files or _files[0] != os.getpid():  # a forked child writes nothing of its parent's
+    files = _files
+    if files is None or files.pid != os.getpid():  # a forked child writes nothing of its parent's
         return
     from prometheus_client.mmap_dict import mmap_key
 
-    engine, model = _files[3]
+    engine, model = files.labels
     name = _OUTCOMES[outcome]
     if outcome == "found":
         names, values = ["engine", "model_name", "kind"], [engine, model, kind]
     else:
         names, values = ["engine", "model_name", "method", "kind"], [engine, model, method, kind]
-    _files[1].write_value(
+    files.counters.write_value(
         mmap_key(name, name + "_total", names, values, _HELP[name]), float(count), 0.0
     )

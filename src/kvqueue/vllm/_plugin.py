@@ -137,7 +137,7 @@ def plugin() -> None:
         _metrics.start(_not_active(str(exc)))
         return
     after = vllm.status()
-    _metrics.start(_active(after))
+    _metrics.start(_active(after), guarded=after["guarded"], audit=after["holder_audit"])
     if after != before:
         import kvqueue
 
@@ -165,7 +165,6 @@ def _active(status: dict[str, Any]) -> dict[str, str]:
         "pool_guard": "on" if status["pool_guard"] else "off",
         "holder_audit": "on" if status["holder_audit"] else "off",
         "audit_every": str(status["audit_every"] or ""),
-        "guarded": ",".join(status["guarded"]),
     }
 
 
