@@ -12,6 +12,11 @@ The forms, each a free that releases a reference a live request still holds:
   (1 -> 0: queued free while B lists it); C asks for every free block and is scheduled.
 * ``single``: a connector frees a running request's only reference to its first block; C
   asks for every free block.
+* ``unguarded``: a running request's only reference to its last block released by no
+  guarded free (``ref_cnt`` lowered, the block put at the free list's front by hand); C
+  asks for every free block but one.
+* ``after_audit``: as ``unguarded``, the release a guarded free made by a callback of the
+  step C is scheduled in, after that step's audit.
 
 A step that raised is started once more, as a caller that catches the error would. Then B
 (or the running request) is aborted and the scheduler steps once more: C is served.
@@ -86,13 +91,35 @@ def run(form: str) -> dict[str, Any]:
         step(scheduler, states)
         holder = "B"
     table = listed(scheduler)
-    victim = next(i for i in table[holder] if form == "single" or i in table["A"])
+    # Met at the free list's exit, the block is the holder's partial last one, which a free
+    # queues first; C then asks for one block fewer than are free, so that the block's
+    # repair leaves it every block it was counted.
+    exit_form = form in ("unguarded", "after_audit")
+    if exit_form:
+        victim = table[holder][-1]
+    else:
+        victim = next(i for i in table[holder] if form == "single" or i in table["A"])
     block = pool.blocks[victim]
     refs_before = block.ref_cnt
-    pool.free_blocks([block])  # the connector-like caller's extra free
+    if form == "unguarded":  # returned the way some connectors and downstream pools do
+        block.ref_cnt -= 1
+        pool.free_block_queue.prepend_n([block])
+    elif form == "after_audit":  # freed by a callback of the next step, after its audit
+        manager = scheduler.kv_cache_manager
+        start = manager.new_step_starts
+
+        def new_step_starts() -> None:
+            start()
+            del manager.new_step_starts
+            pool.free_blocks([block])
+
+        manager.new_step_starts = new_step_starts
+    else:
+        pool.free_blocks([block])  # the connector-like caller's extra free
     if form == "shared":
         scheduler.finish_requests("A", ABORTED)
-    wanted = pool.get_num_free_blocks()
+    # The free of form after_audit is yet to come.
+    wanted = pool.get_num_free_blocks() + (form == "after_audit") - exit_form
     (c,) = create_requests(3, num_tokens=wanted * BLOCK, req_ids=["x", "y", "C"])[2:]
     scheduler.add_request(c)
     result: dict[str, Any] = {"block": victim, "holder": holder, "refs_before": refs_before}

@@ -56,7 +56,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "free_blocks": ("double_free", "held_free"),
     "unpin_blocks": ("double_free", "held_free"),
     "touch": ("negative_ref",),
-    "get_new_blocks": ("held_free", "negative_ref"),
+    "get_new_blocks": ("held_free", "negative_ref", "listed_free"),
     _AUDIT: _policy.AUDIT_MISUSES,
 }
 _INFO_LABELS = (
