@@ -7,7 +7,9 @@ vLLM's own Scheduler with the index is vllm_tests/test_holder_audit.py's.
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import random
 from collections import defaultdict
 from collections.abc import Iterator
@@ -210,6 +212,31 @@ def test_the_counts_follow_every_change(managers: type, seed: int) -> None:
     assert not index.rebuild()
 
 
+def test_a_copy_is_in_no_table_and_counts_nothing(managers: type) -> None:
+    pool = stand_in_pool(4)
+    made = managers(pool)
+    index = _index.index_of(pool)
+    assert index is not None
+    made.req_to_blocks["A"].extend(pool.blocks[1:3])
+    copies = [
+        copy.copy(made.req_to_blocks),
+        copy.deepcopy(made.req_to_blocks),
+        made.req_to_blocks.copy(),
+        pickle.loads(pickle.dumps(made.req_to_blocks)),
+    ]
+    for each in copies:
+        assert type(each) is defaultdict
+        assert each == {"A": pool.blocks[1:3]}
+        assert type(each["A"]) is list
+        each["A"].append(pool.blocks[3])
+        each.pop("A")
+    listed = made.req_to_blocks["A"]
+    for each in (copy.copy(listed), copy.deepcopy(listed), pickle.loads(pickle.dumps(listed))):
+        assert type(each) is list
+        each.append(pool.blocks[3])
+    assert index.counts == [0, 1, 1, 0]
+
+
 def test_a_change_out_of_sight_is_found_by_a_recount(managers: type) -> None:
     pool = stand_in_pool(4)
     made = managers(pool)
@@ -318,3 +345,67 @@ def test_a_stale_index_is_no_fault(queue_mod: ModuleType, guarded_exit: Any) -> 
     assert any(each is block for each in pool.get_new_blocks(free))
     assert _report.index_rebuilds() == rebuilds + 1
     assert _report.pool_repairs(pool)["listed_free"] == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_a_sound_random_workload_is_never_refused(
+    queue_mod: ModuleType, policy: str, seed: int
+) -> None:
+    """Requests made, grown, sharing a prefix, hitting freed blocks, sliding a window and
+    finishing, as vLLM's managers do, audited each step: nothing refused or repaired, and
+    after every step the index is its recount and the pool adds up."""
+    rng = random.Random(seed)
+    for pool, manager in exit_pool(queue_mod, policy):
+        coordinator = SimpleNamespace(block_pool=pool, single_type_managers=[manager])
+        kv = SimpleNamespace(coordinator=coordinator)
+        table = manager.req_to_blocks
+        index = _index.index_of(pool)
+        assert index is not None
+        repairs = dict(_report.pool_repairs(pool))
+        for step in range(300):
+            _audit.audit_holders(kv, screen_of(queue_mod), policy_of, 4)
+            live = list(table)
+            free = pool.free_block_queue.num_free_blocks
+            op = rng.randrange(6)
+            if op == 0 and free >= 2:
+                blocks: list[Any] = []
+                if live:  # a prefix another request holds
+                    blocks = table[rng.choice(live)][: rng.randrange(3)]
+                    pool.touch(blocks)
+                table[f"r{step}"].extend(blocks + pool.get_new_blocks(rng.randrange(1, 3)))
+            elif op == 1 and live and free:
+                table[rng.choice(live)].extend(pool.get_new_blocks(1))
+            elif op == 2 and live:
+                pool.free_blocks(list(reversed(table.pop(rng.choice(live)))))
+            elif op == 3 and live:  # a window slid past a request's first block
+                listed = table[rng.choice(live)]
+                first = next((i for i, b in enumerate(listed) if not b.is_null), None)
+                if first is not None:
+                    old = listed[first]
+                    listed[first] = pool.null_block
+                    pool.free_blocks([old])
+            elif op == 4 and free:  # a prefix hit on a block freed earlier
+                (hit,) = pool.free_block_queue.get_all_free_blocks()[-1:]
+                pool.touch([hit])
+                table[f"h{step}"].append(hit)
+            elif op == 5 and free:  # held a while by something that lists nothing
+                pool.free_blocks(pool.get_new_blocks(rng.randrange(1, free + 1)))
+            assert index.counts == recount(index)
+            consistent_with_holders(pool, table)
+        assert _report.pool_repairs(pool) == repairs
+
+
+def consistent_with_holders(pool: Any, table: Any) -> None:
+    """Every block a request lists is held at least once a listing, and out of the list."""
+    listed: dict[int, int] = {}
+    for blocks in table.values():
+        for block in blocks:
+            if not block.is_null:
+                listed[id(block)] = listed.get(id(block), 0) + 1
+    for block in pool.blocks:
+        if id(block) in listed:
+            assert block.ref_cnt >= listed[id(block)]
+            assert block.prev_free_block is None
+    free = pool.free_block_queue
+    assert free.num_free_blocks == len(free.get_all_free_blocks())

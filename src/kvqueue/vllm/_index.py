@@ -110,6 +110,10 @@ class Listed(list):  # type: ignore[type-arg]
         if index is not None:
             index.add(self)
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # A copy (copy, deepcopy, pickle) is in no table: a plain list.
+        return (list, (list(self),))
+
     def detach(self) -> None:
         """Out of its table: its blocks are listed no more, and it counts nothing again."""
         if self.tally is not None:
@@ -194,6 +198,16 @@ class Table(defaultdict):  # type: ignore[type-arg]
         self.manager = weakref.ref(manager)
         self.name = type(manager).__name__
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # A copy (copy, deepcopy, pickle) is no manager's table: a plain defaultdict of
+        # plain lists, as vLLM's own would copy.
+        return (_plain, (list(dict.items(self)),))
+
+    def copy(self) -> defaultdict[Any, Any]:  # type: ignore[override]
+        return _plain(list(dict.items(self)))
+
+    __copy__ = copy  # type: ignore[assignment]
+
     def in_place(self) -> bool:
         manager = self.manager()
         return manager is not None and vars(manager).get("req_to_blocks") is self
@@ -267,6 +281,10 @@ def _untracked_listed(index: Index) -> Callable[[], Listed]:
         return listed
 
     return made
+
+
+def _plain(items: list[tuple[Any, Any]]) -> defaultdict[Any, Any]:
+    return defaultdict(list, ((request, list(blocks)) for request, blocks in items))
 
 
 def _detach(blocks: Any) -> None:
