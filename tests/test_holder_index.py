@@ -138,6 +138,17 @@ def test_lists_stay_out_of_the_collectors_sight_as_vllms_do(managers: type) -> N
     assert gc.is_tracked(tracked.req_to_blocks["A"])
 
 
+def test_guarding_again_wraps_vllms_init_not_kvqueues() -> None:
+    first = _index.guard_init(FullAttentionManager)
+    again = _index.guard_init(FullAttentionManager)  # install() again, another twin
+    assert again == first
+    made = FullAttentionManager(stand_in_pool(2))
+    assert type(made.req_to_blocks) is _index.Table
+    _index.unguard_init(FullAttentionManager, again)
+    assert vars(FullAttentionManager)["__init__"] is first["__init__"]
+    assert _index.guard_init(HiSparseHotManager) == {}  # no __init__ of its own
+
+
 def test_a_manager_built_after_unguard_keeps_its_own() -> None:
     originals = _index.guard_init(FullAttentionManager)
     _index.unguard_init(FullAttentionManager, originals)

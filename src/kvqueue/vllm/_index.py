@@ -350,15 +350,20 @@ def adopt(manager: Any) -> None:
 
 def guard_init(manager_class: type) -> dict[str, Any]:
     """``manager_class.__init__`` (vLLM's ``SingleTypeKVCacheManager``'s, which every
-    manager's runs) followed by :func:`adopt`; the original, by name, for :func:`unguard_init`."""
-    original = vars(manager_class)["__init__"]
+    manager's runs) followed by :func:`adopt`; vLLM's ``__init__``, by name, for
+    :func:`unguard_init` (none for a class without its own). Guarding again replaces
+    kvqueue's ``__init__`` with a new one over vLLM's, never over its own."""
+    found = vars(manager_class).get("__init__")
+    if found is None:
+        return {}
+    original = _made.get(found, found)
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         adopt(self)
 
-    _made.add(__init__)
+    _made[__init__] = original
     manager_class.__init__ = __init__  # type: ignore[misc]
     return {"__init__": original}
 
@@ -369,8 +374,8 @@ def unguard_init(manager_class: type, originals: dict[str, Any]) -> None:
         manager_class.__init__ = originals["__init__"]  # type: ignore[misc]
 
 
-# The __init__ wrappers made here, weakly.
-_made: weakref.WeakSet[Any] = weakref.WeakSet()
+# The __init__ functions made here, weakly, each to the vLLM __init__ it runs.
+_made: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def first_listed(index: Index, head: Any, n: int) -> Any:
