@@ -84,8 +84,10 @@ def test_every_counter_an_engine_can_move() -> None:
     assert ("repaired", "new_step_starts", "listed_free") in found
     assert ("found", "new_step_starts", "under_counted") in found
     assert ("queue_repaired", "append", "linked") in found
+    # The free list's exit refuses or repairs a block a live request lists.
+    assert ("repaired", "get_new_blocks", "listed_free") in found
     queue = 2 + 3 + 4 + 4 + 2
-    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 2 + 4) + 4 + queue
+    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 3 + 4) + 4 + 1 + queue
     unguarded = _metrics.combinations([], False)
     assert not any(method == "new_step_starts" for _, method, _ in unguarded)
     assert len(unguarded) == queue

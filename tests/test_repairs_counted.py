@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvqueue import KVCacheBlock, _policy
-from kvqueue.vllm import _audit, _metrics, _report
+from kvqueue.vllm import _audit, _index, _metrics, _report
 
 from support.fake_pool import guarded, line, make_pool, policy_of, screen_of
 
@@ -137,6 +137,18 @@ def _negative_touch(pool: Any) -> None:
     pool.touch([block])
 
 
+def _listed_in_alloc(pool: Any) -> None:
+    """A block its holder lists, released by no guarded free, met at the free list's exit."""
+    manager = type("FullAttentionManager", (), {})()
+    manager.req_to_blocks, manager.block_pool = defaultdict(list), pool
+    _index.adopt(manager)
+    manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
+    (block,) = manager.req_to_blocks["A"]
+    block.ref_cnt -= 1
+    pool.free_block_queue.prepend_n([block])
+    pool.get_new_blocks(1)
+
+
 def _held_in_alloc(pool: Any, refs: int) -> None:
     (block,) = pool.get_new_blocks(1)
     block.ref_cnt = refs
@@ -170,6 +182,7 @@ GUARD_CALLS: dict[tuple[str, str], Callable[[Any, ModuleType], object]] = {
     ("touch", "negative_ref"): lambda pool, mod: _negative_touch(pool),
     ("get_new_blocks", "held_free"): lambda pool, mod: _held_in_alloc(pool, 1),
     ("get_new_blocks", "negative_ref"): lambda pool, mod: _held_in_alloc(pool, -1),
+    ("get_new_blocks", "listed_free"): lambda pool, mod: _listed_in_alloc(pool),
     **{
         ("new_step_starts", kind): functools.partial(_audited, kind=kind)
         for kind in _policy.AUDIT_MISUSES
@@ -196,6 +209,26 @@ def test_each_repair_of_the_guard_moves_its_counter_once(
     assert any(f"({kind} #1 on this pool)" in r.getMessage() for r in repair_log.records)
 
 
+def test_a_stale_holder_index_rebuilt_moves_its_counter_once(
+    queue_mod: ModuleType, repair_log: pytest.LogCaptureFixture
+) -> None:
+    with guarded(queue_mod, NEWEST) as cls:
+        pool = make_pool(cls, queue_mod, 8, "repair")
+        manager = type("FullAttentionManager", (), {})()
+        manager.req_to_blocks, manager.block_pool = defaultdict(list), pool
+        _index.adopt(manager)
+        manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
+        dict.pop(manager.req_to_blocks, "A")  # through dict itself: the index not told
+        coordinator = SimpleNamespace(block_pool=pool, single_type_managers=[manager])
+        before = _report.events()
+        _audit.audit_holders(
+            SimpleNamespace(coordinator=coordinator), screen_of(queue_mod), policy_of
+        )
+    assert _diff(before) == {("rebuilt", "new_step_starts", "index_stale"): 1}
+    assert len(repair_log.records) == 1
+    assert "holder index was stale" in repair_log.records[0].getMessage()
+
+
 # -- no repair this file does not drive ----------------------------------------------------------
 
 
@@ -210,8 +243,9 @@ def test_every_counter_an_engine_writes_is_driven_here() -> None:
 
 
 # The functions that log a repair, each driven above: the queue's (both twins), the guard's
-# notes, the holder audit's. A repair logged anywhere else has no counter this file checks.
-LOGGED_BY = {"_misuse", "log_notes", "_found"}
+# notes, the holder audit's, the free list's exit, the holder index's rebuild. A repair
+# logged anywhere else has no counter this file checks.
+LOGGED_BY = {"_misuse", "log_notes", "_found", "hand_out", "_rebuilt"}
 _LOGS = re.compile(r"_log\.(?:queue_)?repaired\(|\blogger\.\w+\([^)]*repaired", re.S)
 
 

@@ -12,6 +12,11 @@ The forms, each a free that releases a reference a live request still holds:
   (1 -> 0: queued free while B lists it); C asks for every free block and is scheduled.
 * ``single``: a connector frees a running request's only reference to its first block; C
   asks for every free block.
+* ``unguarded``: a running request's only reference to its last block released by no
+  guarded free (``ref_cnt`` lowered, the block put at the free list's front by hand); C
+  asks for every free block but one.
+* ``after_audit``: as ``unguarded``, the release a guarded free made by a callback of the
+  step C is scheduled in, after that step's audit.
 
 A step that raised is started once more, as a caller that catches the error would. Then B
 (or the running request) is aborted and the scheduler steps once more: C is served.
@@ -21,6 +26,7 @@ two live requests list.
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import warnings
@@ -76,6 +82,8 @@ def step(scheduler: Any, states: list[dict[str, Any]]) -> Any:
 def run(form: str) -> dict[str, Any]:
     scheduler = create_scheduler(enable_prefix_caching=True, num_blocks=40)
     pool = scheduler.kv_cache_manager.block_pool
+    takes = inspect.signature(pool.free_blocks).parameters
+    first = {"prepend": True} if "prepend" in takes else {}
     states: list[dict[str, Any]] = []
     a, b = create_requests(2, num_tokens=2 * BLOCK + 8, same_prompt=True, req_ids=["A", "B"])
     scheduler.add_request(a)
@@ -86,13 +94,37 @@ def run(form: str) -> dict[str, Any]:
         step(scheduler, states)
         holder = "B"
     table = listed(scheduler)
-    victim = next(i for i in table[holder] if form == "single" or i in table["A"])
+    # Met at the free list's exit, the block is the holder's partial last one, which a free
+    # queues first; C then asks for one block fewer than are free, so that the block's
+    # repair leaves it every block it was counted.
+    exit_form = form in ("unguarded", "after_audit")
+    if exit_form:
+        victim = table[holder][-1]
+    else:
+        victim = next(i for i in table[holder] if form == "single" or i in table["A"])
     block = pool.blocks[victim]
     refs_before = block.ref_cnt
-    pool.free_blocks([block])  # the connector-like caller's extra free
+    if form == "unguarded":  # returned the way some connectors and downstream pools do
+        block.ref_cnt -= 1
+        pool.free_block_queue.prepend_n([block])
+    elif form == "after_audit":  # freed by a callback of the next step, after its audit
+        manager = scheduler.kv_cache_manager
+        start = manager.new_step_starts
+
+        def new_step_starts() -> None:
+            start()
+            del manager.new_step_starts
+            # Queued first, as each line queues a block it holds no hash for (vLLM 0.23
+            # is told so; later lines do so themselves).
+            pool.free_blocks([block], **first)
+
+        manager.new_step_starts = new_step_starts
+    else:
+        pool.free_blocks([block])  # the connector-like caller's extra free
     if form == "shared":
         scheduler.finish_requests("A", ABORTED)
-    wanted = pool.get_num_free_blocks()
+    # The free of form after_audit is yet to come.
+    wanted = pool.get_num_free_blocks() + (form == "after_audit") - exit_form
     (c,) = create_requests(3, num_tokens=wanted * BLOCK, req_ids=["x", "y", "C"])[2:]
     scheduler.add_request(c)
     result: dict[str, Any] = {"block": victim, "holder": holder, "refs_before": refs_before}

@@ -35,8 +35,9 @@ TWINS = ("none", "cython", "python")
 _RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "failed": 2, "error": 3}
 
 _expected: type | None = None
-# The holder audit's findings (kvqueue.vllm.audit_findings) and steps audited before a test.
-_audit_before: tuple[dict[str, int], int] | None = None
+# The holder audit's findings (kvqueue.vllm.audit_findings), steps audited, and holder index
+# rebuilds (a full read that found the index stale) before a test.
+_audit_before: tuple[dict[str, int], int, int] | None = None
 # BlockPool's methods as installed (kvqueue's guards, or vLLM's own for ``none``): each test
 # must leave them in place. Taken by identity: kvqueue marks its guards no other way.
 _methods: dict[str, Any] = {}
@@ -110,12 +111,13 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
     return (yield)
 
 
-def _audit_state() -> tuple[dict[str, int], int] | None:
+def _audit_state() -> tuple[dict[str, int], int, int] | None:
     if _expected is kv_cache_utils.FreeKVCacheBlockQueue:
         return None
     import kvqueue.vllm
+    from kvqueue.vllm import _report
 
-    return kvqueue.vllm.audit_findings(), kvqueue.vllm.audited_steps()
+    return kvqueue.vllm.audit_findings(), kvqueue.vllm.audited_steps(), _report.index_rebuilds()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -135,6 +137,10 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
         found = {k: n - _audit_before[0][k] for k, n in after[0].items() if n > _audit_before[0][k]}
         if found:
             wrong.append(f"the holder audit reported {found}")
+        # Nor may a full read find the holder index stale (KVQUEUE_AUDIT_EVERY=1: at every
+        # step, the index against every listing read again).
+        if after[2] > _audit_before[2]:
+            wrong.append(f"the holder index was found stale {after[2] - _audit_before[2]} times")
         item.user_properties.append(("kvqueue_audits", after[1] - _audit_before[1]))
     if wrong:
         raise AssertionError("kvqueue_plugin: " + "; ".join(sorted(wrong)))
@@ -174,7 +180,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.write_line(
         f"kvqueue: {config.getoption('kvqueue')}: {tests} tests built {pools} block pools, "
         f"each checked to hold {_expected!r}; the holder audit ran {audits} times in "
-        f"{audited} tests and reported nothing"
+        f"{audited} tests and reported nothing, nor found the holder index stale"
     )
 
 

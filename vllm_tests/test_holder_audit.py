@@ -35,6 +35,8 @@ LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
 HERE = Path(__file__).resolve().parent
 FORMS = ("shared", "single")
+# Faults the step's audit cannot see: met where the free list hands blocks out.
+EXIT_FORMS = ("unguarded", "after_audit")
 KVQUEUE = ("cython", "python")
 
 
@@ -55,7 +57,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     env.pop("KVQUEUE_ON_MISUSE", None)
     done = subprocess.run(
-        [sys.executable, str(HERE / "holder_scenario.py"), ",".join(FORMS)],
+        [sys.executable, str(HERE / "holder_scenario.py"), ",".join(FORMS + EXIT_FORMS)],
         cwd=root,
         env=env,
         capture_output=True,
@@ -72,7 +74,7 @@ def over_held(run: dict[str, Any]) -> list[list[int]]:
     return [state["over_held"] for state in run["states"] if state["over_held"]]
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", FORMS + EXIT_FORMS)
 def test_vllm_alone_hands_the_block_to_a_second_request(results: dict[str, Any], form: str) -> None:
     run = results[f"{form}/vllm/-"]
     assert "raised" not in run
@@ -118,3 +120,38 @@ def test_repair_keeps_the_block_with_its_holder(
     assert not over_held(run)
     assert all(state["count_is_list"] for state in run["states"])
     assert run["c_served"]  # once the holder is done, C gets every block it asked for
+
+
+@pytest.mark.parametrize("twin", KVQUEUE)
+@pytest.mark.parametrize("form", EXIT_FORMS)
+def test_raise_stops_the_allocation_that_would_hand_out_a_listed_block(
+    results: dict[str, Any], form: str, twin: str
+) -> None:
+    run = results[f"{form}/{twin}/raise"]
+    message = run["raised"]
+    said = f"HolderAuditError: BlockPool.get_new_blocks() would hand out block {run['block']}, "
+    assert message.startswith(said)
+    assert f"request '{run['holder']}' (FullAttentionManager) lists it" in message
+    assert "single_type_kv_cache_manager.py" in message  # the allocation's caller
+    assert run["retried"].startswith("HolderAuditError: ")  # again, while the fault stands
+    assert not run["c_has_block"]
+    assert run["holder_has_block"]
+    assert run["in_free_list"]  # nothing changed: the fault stands, named
+    assert all(state["count_is_list"] for state in run["states"])
+
+
+@pytest.mark.parametrize("twin", KVQUEUE)
+@pytest.mark.parametrize("form", EXIT_FORMS)
+def test_repair_hands_out_every_block_but_the_listed_one(
+    results: dict[str, Any], form: str, twin: str
+) -> None:
+    run = results[f"{form}/{twin}/repair"]
+    assert "raised" not in run
+    assert run["holder_has_block"]
+    assert not run["c_has_block"]
+    assert run["ref_cnt"] == 1
+    assert not run["in_free_list"]
+    assert run["repairs"] == {"listed_free": 1}
+    assert not over_held(run)
+    assert all(state["count_is_list"] for state in run["states"])
+    assert run["c_served"]

@@ -104,6 +104,15 @@ def audit_finding(block: str, what: str, released: str, where: str) -> HolderAud
     )
 
 
+def listed_handed_out(
+    call: str, block: str, what: str, released: str, where: str
+) -> HolderAuditError:
+    return HolderAuditError(
+        f"{call} would hand out block {block}, which {what}: a second request would hold "
+        f"it; nothing was allocated. {released}{where}"
+    )
+
+
 # kvqueue.vllm's refusals of a vLLM it cannot patch.
 
 

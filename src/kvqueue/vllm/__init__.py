@@ -35,6 +35,7 @@ from .. import _env, _errors, _log, _policy, _twin
 from .._block import check_block_type
 from .._errors import HolderAuditError, VLLMLayoutError
 from . import _foreign, _lines, _pool_guard, _registry
+from ._index import guard_init, unguard_init
 from ._lines import Line
 from ._report import audit_findings, audited_steps, pool_repairs
 
@@ -57,6 +58,7 @@ Implementation = Literal["auto", "cython", "python"]
 _UTILS = "vllm.v1.core.kv_cache_utils"
 _POOL = "vllm.v1.core.block_pool"
 _MANAGER = "vllm.v1.core.kv_cache_manager"
+_TABLES = "vllm.v1.core.single_type_kv_cache_manager"
 _NAME = "FreeKVCacheBlockQueue"
 
 
@@ -127,6 +129,10 @@ class _Installed:
     wrap_foreign: bool
     manager_class: type
     manager_originals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # vLLM's SingleTypeKVCacheManager (None: this vLLM has none), whose __init__ ends, with
+    # the guard on, in giving the manager its holder index's table; and vLLM's __init__.
+    table_class: type | None = None
+    table_originals: dict[str, Any] = dataclasses.field(default_factory=dict)
     # With the guard off: vLLM's BlockPool methods kvqueue's line correction replaced.
     corrected: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -240,6 +246,7 @@ def _checked(
         vars(manager_class).get(_registry.AUDIT_HOOK)
     ):
         raise VLLMLayoutError(f"{_MANAGER} defines no KVCacheManager.{_registry.AUDIT_HOOK}")
+    table_class = _table_class()
     version = _version(vllm)
     line = _lines.line_of(version, block_class, original, pool_class, check_version=check_version)
     try:
@@ -268,7 +275,18 @@ def _checked(
         {},
         wrap_foreign,
         manager_class,
+        table_class=table_class,
     )
+
+
+def _table_class() -> type | None:
+    """vLLM's ``SingleTypeKVCacheManager``, or None where there is none (then the holder
+    index is not kept, and the audit's full reads are what check the holders)."""
+    try:
+        found = vars(importlib.import_module(_TABLES)).get("SingleTypeKVCacheManager")
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
 
 
 def _version(vllm: ModuleType) -> str | None:
@@ -294,6 +312,8 @@ def _guard(state: _Installed, screen: ModuleType) -> None:
     state.manager_originals = _guarded(
         state, state.manager_class, screen, names=_pool_guard.AUDITED
     )
+    if state.table_class is not None:
+        state.table_originals = guard_init(state.table_class)
 
 
 def _correct(state: _Installed, screen: ModuleType) -> None:
@@ -320,8 +340,11 @@ def _originals(state: _Installed, wrap_foreign: bool) -> None:
 def _unguard(state: _Installed) -> None:
     _pool_guard.unguard(state.pool_class, state.pool_originals or state.corrected)
     _pool_guard.unguard(state.manager_class, state.manager_originals)
+    if state.table_class is not None:
+        unguard_init(state.table_class, state.table_originals)
     state.pool_originals = {}
     state.manager_originals = {}
+    state.table_originals = {}
     state.corrected = {}
 
 

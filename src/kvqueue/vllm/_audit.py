@@ -23,8 +23,14 @@ counted per pool (``pool_repairs``) and logged under the rate limit. A ``ref_cnt
 no integer is a TypeError under either policy, before anything changes.
 
 HiSparse's managers (vLLM 0.31+) keep pages they unpinned listed while those sit in the
-free list, on purpose: their listings are not audited. Other pools' blocks (a CPU pool's)
-are not counted: the audit is of the pool the scheduler allocates from.
+free list, on purpose: their listings are not audited (``_index.unpins``). Other pools'
+blocks (a CPU pool's) are not counted: the audit is of the pool the scheduler allocates
+from.
+
+Between its full reads, a fault made after the audit in the same step (a release by any
+path but a guarded free, or one a callback made after the step started) is met at the free
+list's exit: ``get_new_blocks`` never hands out a block the holder index (``_index``)
+says a live request lists (:func:`hand_out`).
 """
 
 from __future__ import annotations
@@ -35,30 +41,15 @@ from types import ModuleType
 from typing import Any
 
 from .. import _errors, _log, _render
-from . import _registry, _report
+from . import _index, _registry, _report, _rules
 
-__all__ = ("audit_holders",)
+__all__ = ("audit_holders", "hand_out")
 
-# The manager classes whose listed pages may be free (HiSparse's unpinned pages), by name,
-# so that no vLLM module is imported to know them.
-_UNPINNING = frozenset(
-    ("_HiSparseAuxiliaryManager", "HiSparseResidentManager", "HiSparseHotManager")
-)
-_unpins_cache: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 # Per KVCacheManager: the guarded frees made when it was last audited, and the steps since
 # its last full audit.
 _places: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 # Holders named in a message, at most.
 _SHOWN = 4
-
-
-def _unpins(manager_class: type) -> bool:
-    found = _unpins_cache.get(manager_class)
-    if found is None:
-        found = _unpins_cache[manager_class] = any(
-            cls.__name__ in _UNPINNING for cls in manager_class.__mro__
-        )
-    return found
 
 
 def audit_holders(
@@ -103,10 +94,13 @@ def audit_holders(
             only = _report.recent_frees(made - place[0])
             if only is None:  # more frees than are kept: read everything
                 steps = 0
-    managers = [m for m in coordinator.single_type_managers if not _unpins(type(m))]
+    managers = [m for m in coordinator.single_type_managers if not _index.unpins(type(m))]
     found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
         _found(pool, managers, found, policy(pool))
+    index = _index.index_of(pool)
+    if only is None and index is not None:
+        _rebuilt(pool, index)
     # Past the frees it read only once nothing was raised: a step retried after
     # HolderAuditError (the pool as it was) reads them again, and raises again while the
     # fault stands.
@@ -114,11 +108,25 @@ def audit_holders(
         _places[manager] = [made, steps]
 
 
+def _rebuilt(pool: Any, index: _index.Index) -> bool:
+    """The holder index counted again; whether it was stale (a listing changed out of its
+    sight: then counted and logged). The full read, not the index, says what is a fault."""
+    if not index.rebuild():
+        return False
+    _log.repaired(
+        "kvqueue's holder index was stale (#%d in this process): a listing of "
+        "req_to_blocks changed out of its sight; rebuilt from every listing. %s",
+        _report.count_rebuild(),
+        _report.where(pool),
+    )
+    return True
+
+
 def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str) -> None:
     for kind, block in found:
         if kind == "bad_count":
             raise _errors.audit_bad_count(_report.named(block), block.ref_cnt, _report.where(pool))
-    holders = _holders(managers, {id(block) for _, block in found})
+    holders = _listers(managers, {id(block) for _, block in found})
     for kind, _ in found:
         _report.count_finding(kind)
     if policy == "raise":
@@ -160,7 +168,78 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         )
 
 
-def _holders(managers: list[Any], wanted: set[int]) -> dict[int, list[tuple[str, Any]]]:
+def hand_out(
+    pool: Any,
+    num_blocks: int,
+    index: _index.Index,
+    policy: Callable[[Any], str],
+    call: Callable[[int], Any],
+) -> Any:
+    """``get_new_blocks`` when the holder index says a live request lists a block among the
+    first ``num_blocks`` free ones (a release no guarded free made, or one made after this
+    step's audit): ``"raise"``: HolderAuditError before anything is allocated, naming the
+    block, its holders and the free that last released it; ``"repair"``: each such block
+    leaves the free list, its ``ref_cnt`` raised to its listings (counted and logged), then
+    vLLM's method ``call``. O(num_blocks) a walk, O(listings) to name a block's holders.
+
+    Raises TypeError for a ``ref_cnt`` that is no integer, RuntimeError for a block the
+    queue cannot unlink.
+    """
+    queue = pool.free_block_queue
+    lines = []
+    try:
+        while True:
+            wanted = min(num_blocks, queue.num_free_blocks)
+            block = _index.first_listed(index, queue.fake_free_list_head, wanted)
+            if block is None:
+                break
+            listed = index.holders(block)
+            if not listed:  # stale: no table in place lists it
+                if _rebuilt(pool, index):
+                    continue
+                break
+            refs = _rules.ref_count(pool, "get_new_blocks", block)
+            what = _what("listed_free", block, listed)
+            if policy(pool) == "raise":
+                _report.count_refusal("get_new_blocks", "listed_free")
+                raise _errors.listed_handed_out(
+                    _report.call("get_new_blocks"),
+                    _report.named(block),
+                    what,
+                    _released(block),
+                    _report.where(pool),
+                )
+            queue.remove(block)
+            if block.prev_free_block is not None or block.next_free_block is not None:
+                raise _errors.held_stuck(
+                    _report.call("get_new_blocks"),
+                    _report.named(block),
+                    refs,
+                    _report.where(pool),
+                )
+            steps = ["taken out of the free list"]
+            if refs < len(listed):
+                block.ref_cnt = len(listed)
+                steps.append(f"ref_cnt {_render.number(refs)} -> {len(listed)}")
+            count = _report.count_repair(pool, "listed_free", "get_new_blocks")
+            lines.append((count, _report.named(block), what, ", ".join(steps)))
+        return call(num_blocks)
+    finally:
+        where = _report.where(pool)
+        for count, name, what, done in lines:
+            _log.repaired(
+                "%s would have handed out a listed block (listed_free #%d on this pool): "
+                "block %s %s: %s. %s",
+                _report.call("get_new_blocks"),
+                count,
+                name,
+                what,
+                done,
+                where,
+            )
+
+
+def _listers(managers: list[Any], wanted: set[int]) -> dict[int, list[tuple[str, Any]]]:
     """Who lists each block of ``wanted`` (by id): ``(manager class, request id)``, once
     per listing."""
     found: dict[int, list[tuple[str, Any]]] = {key: [] for key in wanted}

@@ -42,6 +42,7 @@ REFUSALS = "kvqueue_guard_refusals"
 REPAIRS = "kvqueue_guard_repairs"
 FINDINGS = "kvqueue_audit_findings"
 QUEUE_REPAIRS = "kvqueue_queue_repairs"
+INDEX_REBUILDS = "kvqueue_index_rebuilds"
 INFO = "kvqueue_info"
 
 _HELP = {
@@ -52,6 +53,8 @@ _HELP = {
     FINDINGS: "Blocks kvqueue's holder audit found held wrongly, by kind, raised or repaired",
     QUEUE_REPAIRS: "Misuses of vLLM's free block queue kvqueue's queue repaired, by method and "
     "kind",
+    INDEX_REBUILDS: "Times a full read of the listings found kvqueue's holder index stale (a "
+    "listing changed out of its sight) and rebuilt it",
     INFO: "kvqueue in this engine: state active or not active (reason), twin, policy, vLLM line, "
     "pool guard, holder audit and its steps between full reads",
 }
@@ -60,6 +63,7 @@ _OUTCOMES = {
     "repaired": REPAIRS,
     "found": FINDINGS,
     "queue_repaired": QUEUE_REPAIRS,
+    "rebuilt": INDEX_REBUILDS,
 }
 _AUDIT = _registry.AUDIT_HOOK
 _KINDS: dict[str, tuple[str, ...]] = dict(_registry.KINDS)
@@ -105,6 +109,7 @@ def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
     ]
     if audit:
         found += [("found", _AUDIT, kind) for kind in _policy.AUDIT_MISUSES]
+        found.append(("rebuilt", _AUDIT, "index_stale"))
     found += [
         ("queue_repaired", method, kind)
         for method, kinds in _policy.QUEUE_REPAIRS.items()
@@ -224,7 +229,9 @@ def _write(outcome: str, method: str, kind: str, count: int) -> None:
 
     engine, model = files.labels
     name = _OUTCOMES[outcome]
-    if outcome == "found":
+    if outcome == "rebuilt":
+        names, values = ["engine", "model_name"], [engine, model]
+    elif outcome == "found":
         names, values = ["engine", "model_name", "kind"], [engine, model, kind]
     else:
         names, values = ["engine", "model_name", "method", "kind"], [engine, model, method, kind]

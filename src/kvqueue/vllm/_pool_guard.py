@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import _block, _env, _errors, _policy
-from . import _audit, _foreign, _registry, _report, _rules
+from . import _audit, _foreign, _index, _registry, _report, _rules
 from ._report import pool_repairs
 
 __all__ = (
@@ -364,6 +364,8 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
 def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_held_free = made.screen.first_held_free
+    index_of = _index.index_of
+    first_listed = _index.first_listed
 
     def alloc(self: Any, num_blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if type(num_blocks) is not int:
@@ -376,7 +378,8 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         queue = self.free_block_queue
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
-            block = first_held_free(queue.fake_free_list_head, num_blocks)
+            head = queue.fake_free_list_head
+            block = first_held_free(head, num_blocks)
             if block is not None:
                 return _slow(
                     made,
@@ -385,6 +388,17 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
                     args,
                     kwargs,
                     lambda call: _rules.alloc(self, num_blocks, made.policy, call),
+                )
+            # The free list's exit: a block a live request lists is never handed out.
+            held = index_of(self)
+            if held is not None and first_listed(held, head, num_blocks) is not None:
+                return _slow(
+                    made,
+                    self,
+                    num_blocks,
+                    args,
+                    kwargs,
+                    lambda call: _audit.hand_out(self, num_blocks, held, made.policy, call),
                 )
         return original(self, num_blocks, *args, **kwargs)
 

@@ -16,7 +16,7 @@ __all__ = ("AUDIT_HOOK", "CORRECTED", "GUARDED", "KINDS")
 #: The guarded ``BlockPool`` methods, in the order a request meets them, each with the
 #: misuses its rule refuses (``"raise"``) or repairs (``"repair"``).
 GUARDED: dict[str, tuple[PoolMisuse, ...]] = {
-    "get_new_blocks": ("held_free", "negative_ref"),
+    "get_new_blocks": ("held_free", "negative_ref", "listed_free"),
     "touch": ("negative_ref",),
     "free_blocks": ("double_free", "held_free"),
     "unpin_blocks": ("double_free", "held_free"),

@@ -26,11 +26,13 @@ __all__ = (
     "count_audit",
     "count_finding",
     "count_queue_repair",
+    "count_rebuild",
     "count_refusal",
     "count_repair",
     "events",
     "freed",
     "frees_made",
+    "index_rebuilds",
     "last_freed",
     "log_notes",
     "named",
@@ -47,6 +49,8 @@ _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictio
 # and the steps it audited.
 _findings: dict[str, int] = dict.fromkeys(_policy.AUDIT_MISUSES, 0)
 _audited = [0]
+# The times the holder index was found stale by a full read, and rebuilt.
+_rebuilt = [0]
 # Every refusal (under "raise") and repair of the guard and its audit in this process, every
 # finding of the audit, and every repair of a queue (outcome "queue_repaired"), by (outcome,
 # method, kind); each count is handed to the one watcher (kvqueue's metrics, ``_metrics``) as
@@ -80,6 +84,18 @@ def audited_steps() -> int:
 
 def count_audit() -> None:
     _audited[0] += 1
+
+
+def count_rebuild() -> int:
+    """Count a rebuild of a stale holder index; this process's count of them."""
+    _rebuilt[0] += 1
+    _event("rebuilt", _registry.AUDIT_HOOK, "index_stale")
+    return _rebuilt[0]
+
+
+def index_rebuilds() -> int:
+    """How many times a full read found the holder index stale in this process."""
+    return _rebuilt[0]
 
 
 def count_finding(kind: _policy.AuditMisuse) -> None:

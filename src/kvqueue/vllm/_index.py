@@ -1,0 +1,400 @@
+"""The holder index: how many times live requests list each block of the scheduler's pool,
+kept as the listings change, so that a check at a move costs what the move moves.
+
+vLLM's managers keep, per request, the blocks it holds (``req_to_blocks``: request id ->
+list of blocks). With kvqueue installed, each manager vLLM builds ends its ``__init__`` with
+that table replaced by a :class:`Table` of :class:`Listed` lists, which hold the same blocks
+and move the pool's :class:`Index` at every change: O(1) a block added or dropped, whatever
+the cache's size. A list taken out of its table (a request freed) stops counting, and its
+blocks with it. HiSparse's managers keep their own (see :func:`unpins`).
+Only the pool's own blocks are counted (``pool.blocks[block.block_id] is block``): another
+pool's blocks, and anything else a list holds, pass uncounted.
+
+A listing changed out of these classes' sight (a plugin writing through ``dict`` or
+``list`` itself, or a table put in a manager's place) leaves the index stale: the holder
+audit's full read, and a check that finds a block listed, count every listing again
+(:meth:`Index.rebuild`). A stale index is never taken for a fault: a block the index says
+is listed is a fault only once a table in place lists it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import gc
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any, SupportsIndex
+
+__all__ = (
+    "Index",
+    "Listed",
+    "Table",
+    "adopt",
+    "first_listed",
+    "guard_init",
+    "index_of",
+    "unguard_init",
+    "unpins",
+)
+
+
+class Index:
+    """Per pool: ``counts[block_id]``, how many times live requests list that block, and
+    the tables that list them (read only to name a block's holders, or to count again)."""
+
+    __slots__ = ("__weakref__", "blocks", "counts", "tables")
+
+    def __init__(self, blocks: list[Any]) -> None:
+        self.blocks = blocks
+        self.counts = [0] * len(blocks)
+        self.tables: list[weakref.ref[Table]] = []
+
+    def add(self, blocks: Iterable[Any], step: int = 1) -> None:
+        """Count each of ``blocks`` ``step`` times more (-1: once less); O(len(blocks))."""
+        pool_blocks = self.blocks
+        counts = self.counts
+        size = len(counts)
+        for block in blocks:
+            block_id = getattr(block, "block_id", None)
+            if type(block_id) is int and 0 <= block_id < size and pool_blocks[block_id] is block:
+                counts[block_id] += step
+
+    def live(self) -> list[Table]:
+        """The tables still their manager's ``req_to_blocks`` (one put out of place, or
+        whose manager is gone, lists nothing)."""
+        found = (ref() for ref in self.tables)
+        return [table for table in found if table is not None and table.in_place()]
+
+    def holders(self, block: Any) -> list[tuple[str, Any]]:
+        """Who lists ``block``: ``(manager class, request id)``, once per listing;
+        O(listings)."""
+        return [
+            (table.name, request)
+            for table in self.live()
+            for request, listed in dict.items(table)
+            for each in listed
+            if each is block
+        ]
+
+    def rebuild(self) -> bool:
+        """Count every listing again (O(listings + pool blocks)); whether the counts were
+        wrong. A table out of place stops counting, and its lists with it."""
+        live = self.live()
+        for ref in self.tables:
+            table = ref()
+            if table is not None and all(table is not each for each in live):
+                for listed in dict.values(table):
+                    _detach(listed)
+        self.tables = [weakref.ref(table) for table in live]
+        counts = self.counts
+        self.counts = [0] * len(self.blocks)
+        for table in live:
+            for listed in dict.values(table):
+                if type(listed) is Listed:
+                    listed.tally = self
+                    self.add(listed)
+        return self.counts != counts
+
+
+class Listed(list):  # type: ignore[type-arg]
+    """A request's blocks in one manager's table: a list that moves its index as it changes
+    (O(1) a block), until it leaves its table (``tally`` None: a list like any other)."""
+
+    __slots__ = ("tally",)
+
+    def __init__(self, index: Index | None, blocks: Iterable[Any] = ()) -> None:
+        super().__init__(blocks)
+        self.tally = index
+        if index is not None:
+            index.add(self)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # A copy (copy, deepcopy, pickle) is in no table: a plain list.
+        return (list, (list(self),))
+
+    def detach(self) -> None:
+        """Out of its table: its blocks are listed no more, and it counts nothing again."""
+        if self.tally is not None:
+            self.tally.add(self, -1)
+            self.tally = None
+
+    def append(self, block: Any) -> None:
+        list.append(self, block)
+        if self.tally is not None:
+            self.tally.add((block,))
+
+    def extend(self, blocks: Iterable[Any]) -> None:
+        blocks = list(blocks)
+        list.extend(self, blocks)
+        if self.tally is not None:
+            self.tally.add(blocks)
+
+    def __iadd__(self, blocks: Iterable[Any]) -> Listed:  # type: ignore[misc]
+        self.extend(blocks)
+        return self
+
+    def __imul__(self, times: SupportsIndex) -> Listed:
+        before = list(self)
+        list.__imul__(self, times)
+        if self.tally is not None:
+            self.tally.add(before, -1)
+            self.tally.add(self)
+        return self
+
+    def insert(self, where: SupportsIndex, block: Any) -> None:
+        list.insert(self, where, block)
+        if self.tally is not None:
+            self.tally.add((block,))
+
+    def pop(self, where: SupportsIndex = -1) -> Any:
+        block = list.pop(self, where)
+        if self.tally is not None:
+            self.tally.add((block,), -1)
+        return block
+
+    def remove(self, block: Any) -> None:
+        # The element list.remove would take (the first equal one), by its place.
+        self.pop(list.index(self, block))
+
+    def clear(self) -> None:
+        before = list(self)
+        list.clear(self)
+        if self.tally is not None:
+            self.tally.add(before, -1)
+
+    def __setitem__(self, where: Any, value: Any) -> None:
+        before = list.__getitem__(self, where)
+        if type(where) is slice:
+            value = list(value)
+            list.__setitem__(self, where, value)
+            dropped, added = before, value
+        else:
+            list.__setitem__(self, where, value)
+            dropped, added = [before], [value]
+        if self.tally is not None:
+            self.tally.add(dropped, -1)
+            self.tally.add(added)
+
+    def __delitem__(self, where: Any) -> None:
+        before = list.__getitem__(self, where)
+        list.__delitem__(self, where)
+        if self.tally is not None:
+            self.tally.add(before if type(where) is slice else [before], -1)
+
+
+class Table(defaultdict):  # type: ignore[type-arg]
+    """One manager's ``req_to_blocks``: a ``defaultdict`` whose lists (made as a request
+    is first looked up, as vLLM's are) are :class:`Listed` of one index; a list taken out
+    is detached. A list put in by hand is kept as it is, the very object (vLLM's tests
+    hold it), and uncounted: the full read still reads it."""
+
+    __slots__ = ("__weakref__", "manager", "name", "tally")
+
+    def __init__(self, index: Index, manager: Any, untracked: bool) -> None:
+        super().__init__(_untracked_listed(index) if untracked else lambda: Listed(index))
+        self.tally = index
+        self.manager = weakref.ref(manager)
+        self.name = type(manager).__name__
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # A copy (copy, deepcopy, pickle) is no manager's table: a plain defaultdict of
+        # plain lists, as vLLM's own would copy.
+        return (_plain, (list(dict.items(self)),))
+
+    def copy(self) -> defaultdict[Any, Any]:  # type: ignore[override]
+        return _plain(list(dict.items(self)))
+
+    __copy__ = copy  # type: ignore[assignment]
+
+    def in_place(self) -> bool:
+        manager = self.manager()
+        return manager is not None and vars(manager).get("req_to_blocks") is self
+
+    def __setitem__(self, request: Any, blocks: Any) -> None:
+        if type(blocks) is Listed and blocks.tally is None:  # detached: counted again
+            blocks.tally = self.tally
+            self.tally.add(blocks)
+        old = dict.get(self, request)
+        dict.__setitem__(self, request, blocks)
+        if old is not None and old is not blocks:
+            _detach(old)
+
+    def __delitem__(self, request: Any) -> None:
+        old = dict.pop(self, request)
+        _detach(old)
+
+    def pop(self, request: Any, *default: Any) -> Any:
+        if request not in self:
+            return dict.pop(self, request, *default)
+        old = dict.pop(self, request)
+        _detach(old)
+        return old
+
+    def popitem(self) -> tuple[Any, Any]:
+        request, old = dict.popitem(self)
+        _detach(old)
+        return request, old
+
+    def clear(self) -> None:
+        old = list(self.values())
+        dict.clear(self)
+        for each in old:
+            _detach(each)
+
+    def setdefault(self, request: Any, default: Any = None) -> Any:
+        if request not in self:
+            self[request] = [] if default is None else default
+        return dict.__getitem__(self, request)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for request, blocks in dict(*args, **kwargs).items():
+            self[request] = blocks
+
+    def __ior__(self, other: Any) -> Table:  # type: ignore[misc]
+        self.update(other)
+        return self
+
+
+# vLLM (0.34+) keeps its tables' lists out of the cyclic collector's sight, so that a
+# collection does not visit every block of every request; a list kvqueue makes in their
+# place is kept out likewise. A Listed refers to blocks and to its index, neither of which
+# refers back to it: it can be in no cycle.
+_untrack = ctypes.pythonapi.PyObject_GC_UnTrack
+_untrack.argtypes = (ctypes.py_object,)
+_untrack.restype = None
+
+
+def _untracks(factory: Any) -> bool:
+    """Whether ``factory`` (vLLM's table's) makes lists the collector does not track."""
+    if factory is None:
+        return False
+    made = factory()
+    return type(made) is list and not gc.is_tracked(made)
+
+
+def _untracked_listed(index: Index) -> Callable[[], Listed]:
+    def made() -> Listed:
+        listed = Listed(index)
+        _untrack(listed)
+        return listed
+
+    return made
+
+
+def _plain(items: list[tuple[Any, Any]]) -> defaultdict[Any, Any]:
+    return defaultdict(list, ((request, list(blocks)) for request, blocks in items))
+
+
+def _detach(blocks: Any) -> None:
+    if type(blocks) is Listed:
+        blocks.detach()
+
+
+# Per pool, weakly: its index goes with it.
+_indexes: weakref.WeakKeyDictionary[Any, Index] = weakref.WeakKeyDictionary()
+
+# HiSparse's managers (vLLM 0.31+) keep pages they unpinned listed while those sit in the
+# free list, on purpose: theirs are not counted. By name, so that no vLLM module is imported
+# to know them.
+_UNPINNING = frozenset(
+    ("_HiSparseAuxiliaryManager", "HiSparseResidentManager", "HiSparseHotManager")
+)
+_unpins_cache: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def unpins(manager_class: type) -> bool:
+    """Whether ``manager_class``'s listed pages may be free (HiSparse's unpinned pages)."""
+    found = _unpins_cache.get(manager_class)
+    if found is None:
+        found = _unpins_cache[manager_class] = any(
+            cls.__name__ in _UNPINNING for cls in manager_class.__mro__
+        )
+    return found
+
+
+def index_of(pool: Any) -> Index | None:
+    """``pool``'s index, if a manager of it was built with kvqueue installed."""
+    try:
+        return _indexes.get(pool)
+    except TypeError:  # a pool no weak reference can name has none
+        return None
+
+
+def adopt(manager: Any) -> None:
+    """Give a just-built manager a :class:`Table` of its pool's index in place of vLLM's
+    ``req_to_blocks`` (a ``defaultdict``); O(what it lists). A HiSparse manager, one
+    without a pool's block list, or a table of another kind keeps its own."""
+    own = vars(manager)
+    table = own.get("req_to_blocks")
+    pool = own.get("block_pool")
+    if type(table) is not defaultdict or unpins(type(manager)):
+        return
+    blocks = vars(pool).get("blocks") if hasattr(pool, "__dict__") else None
+    if type(blocks) is not list:
+        return
+    index = index_of(pool)
+    if index is None or index.blocks is not blocks:
+        index = Index(blocks)
+        try:
+            _indexes[pool] = index
+        except TypeError:
+            return
+    made = Table(index, manager, _untracks(table.default_factory))
+    for request, blocks in dict.items(table):
+        made[request] = blocks
+    manager.req_to_blocks = made
+    index.tables.append(weakref.ref(made))
+
+
+def guard_init(manager_class: type) -> dict[str, Any]:
+    """``manager_class.__init__`` (vLLM's ``SingleTypeKVCacheManager``'s, which every
+    manager's runs) followed by :func:`adopt`; vLLM's ``__init__``, by name, for
+    :func:`unguard_init` (none for a class without its own). Guarding again replaces
+    kvqueue's ``__init__`` with a new one over vLLM's, never over its own."""
+    found = vars(manager_class).get("__init__")
+    if found is None:
+        return {}
+    original = _made.get(found, found)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        adopt(self)
+
+    _made[__init__] = original
+    manager_class.__init__ = __init__  # type: ignore[misc]
+    return {"__init__": original}
+
+
+def unguard_init(manager_class: type, originals: dict[str, Any]) -> None:
+    """Put vLLM's ``__init__`` back if kvqueue's is still in place."""
+    if vars(manager_class).get("__init__") in _made and "__init__" in originals:
+        manager_class.__init__ = originals["__init__"]  # type: ignore[misc]
+
+
+# The __init__ functions made here, weakly, each to the vLLM __init__ it runs.
+_made: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def first_listed(index: Index, head: Any, n: int) -> Any:
+    """The first of the ``n`` blocks after ``head`` (a free list's head sentinel) that a
+    live request lists, or None; O(n). A link that is None ends the walk."""
+    blocks = index.blocks
+    counts = index.counts
+    size = len(counts)
+    block = head
+    for _ in range(n):
+        block = block.next_free_block
+        if block is None:
+            return None
+        block_id = block.block_id
+        if (
+            type(block_id) is int
+            and 0 <= block_id < size
+            and counts[block_id]
+            and blocks[block_id] is block
+        ):
+            return block
+    return None

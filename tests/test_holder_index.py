@@ -1,0 +1,422 @@
+"""The holder index (``kvqueue.vllm._index``): its counts against a recount after every
+change of a seeded random workload, and the free list's exit it guards (``get_new_blocks``
+never hands out a listed block) on a stand-in pool, both twins, both policies.
+
+vLLM's own Scheduler with the index is vllm_tests/test_holder_audit.py's.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import random
+from collections import defaultdict
+from collections.abc import Iterator
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvqueue import _errors
+from kvqueue.vllm import _audit, _index, _report
+from kvqueue.vllm._lines import LINES
+
+from support.fake_pool import consistent, guarded, make_pool, policy_of, screen_of, state
+
+NEWEST = LINES[-1]
+
+
+class FullAttentionManager:
+    """Built as vLLM's managers are: its pool, then an empty ``req_to_blocks``."""
+
+    def __init__(self, block_pool: Any) -> None:
+        self.block_pool = block_pool
+        self.req_to_blocks: Any = defaultdict(list)
+
+
+class HiSparseHotManager(FullAttentionManager):
+    """Named as HiSparse's: it keeps unpinned pages listed, and its table is its own."""
+
+
+@pytest.fixture
+def managers() -> Iterator[type]:
+    """The stand-in manager class, its ``__init__`` guarded as install() guards vLLM's."""
+    originals = _index.guard_init(FullAttentionManager)
+    try:
+        yield FullAttentionManager
+    finally:
+        _index.unguard_init(FullAttentionManager, originals)
+    assert "__init__" not in vars(FullAttentionManager) or (
+        vars(FullAttentionManager)["__init__"] is originals["__init__"]
+    )
+
+
+def recount(index: _index.Index) -> list[int]:
+    """What the counts must be: every listing of every table in place, read the slow way
+    (a list put in by hand aside: it is uncounted)."""
+    counts = [0] * len(index.blocks)
+    for table in index.live():
+        for listed in dict.values(table):
+            if type(listed) is not _index.Listed:
+                continue
+            for block in listed:
+                block_id: Any = getattr(block, "block_id", None)
+                ours = type(block_id) is int and 0 <= block_id < len(counts)
+                if ours and index.blocks[block_id] is block:
+                    counts[block_id] += 1
+    return counts
+
+
+class Pool:
+    """What the index reads of a pool: its blocks, at their ids (and a weak reference)."""
+
+    def __init__(self, n: int) -> None:
+        self.blocks = [SimpleNamespace(block_id=i) for i in range(n)]
+
+
+def stand_in_pool(n: int) -> Any:
+    return Pool(n)
+
+
+def test_a_manager_built_after_the_guard_counts_and_one_before_does_not(
+    managers: type,
+) -> None:
+    pool = stand_in_pool(4)
+    before = HiSparseHotManager(pool)
+    made = managers(pool)
+    assert type(made.req_to_blocks) is _index.Table
+    assert type(before.req_to_blocks) is defaultdict  # HiSparse's keeps its own
+    index = _index.index_of(pool)
+    assert index is not None
+    made.req_to_blocks["A"].extend(pool.blocks[1:3])
+    assert index.counts == [0, 1, 1, 0]
+    assert made.req_to_blocks.pop("A") == pool.blocks[1:3]
+    assert index.counts == [0, 0, 0, 0]
+
+
+def test_a_list_put_in_by_hand_is_kept_as_it_is_and_uncounted(managers: type) -> None:
+    pool = stand_in_pool(4)
+    made = managers(pool)
+    index = _index.index_of(pool)
+    assert index is not None
+    mine = [pool.blocks[1]]
+    made.req_to_blocks["A"] = mine
+    assert made.req_to_blocks.pop("A") is mine
+    assert index.counts == [0, 0, 0, 0]
+    made.req_to_blocks["B"].append(pool.blocks[2])
+    listed = made.req_to_blocks.pop("B")
+    assert index.counts == [0, 0, 0, 0]
+    made.req_to_blocks["C"] = listed  # a list taken out, put back: counted again
+    assert index.counts == [0, 0, 1, 0]
+
+
+class UntrackingManager(FullAttentionManager):
+    """A table whose lists the cyclic collector does not track, as vLLM 0.34's are."""
+
+    def __init__(self, block_pool: Any) -> None:
+        super().__init__(block_pool)
+
+        def untracked() -> list[Any]:
+            made: list[Any] = []
+            _index._untrack(made)
+            return made
+
+        self.req_to_blocks = defaultdict(untracked)
+
+
+def test_lists_stay_out_of_the_collectors_sight_as_vllms_do(managers: type) -> None:
+    originals = _index.guard_init(UntrackingManager)
+    try:
+        made = UntrackingManager(stand_in_pool(2))
+        tracked = managers(stand_in_pool(2))
+    finally:
+        _index.unguard_init(UntrackingManager, originals)
+    assert type(tracked.req_to_blocks) is _index.Table
+    assert type(made.req_to_blocks) is _index.Table
+    assert not gc.is_tracked(made.req_to_blocks["A"])
+    assert gc.is_tracked(tracked.req_to_blocks["A"])
+
+
+def test_guarding_again_wraps_vllms_init_not_kvqueues() -> None:
+    first = _index.guard_init(FullAttentionManager)
+    again = _index.guard_init(FullAttentionManager)  # install() again, another twin
+    assert again == first
+    made = FullAttentionManager(stand_in_pool(2))
+    assert type(made.req_to_blocks) is _index.Table
+    _index.unguard_init(FullAttentionManager, again)
+    assert vars(FullAttentionManager)["__init__"] is first["__init__"]
+    assert _index.guard_init(HiSparseHotManager) == {}  # no __init__ of its own
+
+
+def test_a_manager_built_after_unguard_keeps_its_own() -> None:
+    originals = _index.guard_init(FullAttentionManager)
+    _index.unguard_init(FullAttentionManager, originals)
+    assert vars(FullAttentionManager)["__init__"] is originals["__init__"]
+    assert type(FullAttentionManager(stand_in_pool(2)).req_to_blocks) is defaultdict
+
+
+# Each change a manager's code may make, on a table and its lists, drawn at random.
+def _change(rng: random.Random, table: Any, pool: Any, other: list[Any]) -> None:
+    requests = list(table)
+    blocks = pool.blocks
+
+    def pick() -> Any:
+        return rng.choice(blocks + other)
+
+    op = rng.randrange(16)
+    if op == 0 or not requests:
+        table[f"r{rng.randrange(6)}"].extend(pick() for _ in range(rng.randrange(4)))
+        return
+    request = rng.choice(requests)
+    listed = table[request]
+    if op == 1:
+        listed.append(pick())
+    elif op == 2:
+        listed += [pick(), pick()]
+    elif op == 3 and listed:
+        listed[rng.randrange(len(listed))] = pick()
+    elif op == 4 and listed:
+        listed[: rng.randrange(len(listed))] = [pick() for _ in range(rng.randrange(3))]
+    elif op == 5 and listed:
+        del listed[rng.randrange(len(listed))]
+    elif op == 6:
+        del listed[rng.randrange(3) :]
+    elif op == 7 and listed:
+        listed.pop(rng.randrange(len(listed)))
+    elif op == 8 and listed:
+        listed.remove(rng.choice(listed))
+    elif op == 9:
+        listed.insert(rng.randrange(len(listed) + 1), pick())
+    elif op == 10:
+        listed *= rng.randrange(3)
+    elif op == 11:
+        table.pop(request)
+    elif op == 12:
+        del table[request]
+    elif op == 13:
+        table[request] = [pick() for _ in range(rng.randrange(3))]
+    elif op == 14:
+        table.update({request: [pick()], "new": [pick()]})
+    else:
+        table.setdefault(f"s{rng.randrange(3)}", [pick()]).append(pick())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_counts_follow_every_change(managers: type, seed: int) -> None:
+    rng = random.Random(seed)
+    pool = stand_in_pool(12)
+    # Blocks of another pool with the same ids, and objects that are no block: never counted.
+    other = [SimpleNamespace(block_id=i) for i in range(3)] + [None, "x"]
+    made = [managers(pool) for _ in range(2)]
+    index = _index.index_of(pool)
+    assert index is not None
+    for _ in range(300):
+        _change(rng, rng.choice(made).req_to_blocks, pool, other)
+        assert index.counts == recount(index)
+    kept = list(made[0].req_to_blocks.values())
+    made[0].req_to_blocks.clear()
+    assert index.counts == recount(index)
+    for listed in kept:  # out of its table, a list counts nothing
+        listed.append(pool.blocks[1])
+    assert index.counts == recount(index)
+    assert not index.rebuild()
+
+
+def test_a_copy_is_in_no_table_and_counts_nothing(managers: type) -> None:
+    pool = stand_in_pool(4)
+    made = managers(pool)
+    index = _index.index_of(pool)
+    assert index is not None
+    made.req_to_blocks["A"].extend(pool.blocks[1:3])
+    copies = [
+        copy.copy(made.req_to_blocks),
+        copy.deepcopy(made.req_to_blocks),
+        made.req_to_blocks.copy(),
+        pickle.loads(pickle.dumps(made.req_to_blocks)),
+    ]
+    for each in copies:
+        assert type(each) is defaultdict
+        assert each == {"A": pool.blocks[1:3]}
+        assert type(each["A"]) is list
+        each["A"].append(pool.blocks[3])
+        each.pop("A")
+    listed = made.req_to_blocks["A"]
+    for each in (copy.copy(listed), copy.deepcopy(listed), pickle.loads(pickle.dumps(listed))):
+        assert type(each) is list
+        each.append(pool.blocks[3])
+    assert index.counts == [0, 1, 1, 0]
+
+
+def test_a_change_out_of_sight_is_found_by_a_recount(managers: type) -> None:
+    pool = stand_in_pool(4)
+    made = managers(pool)
+    index = _index.index_of(pool)
+    assert index is not None
+    made.req_to_blocks["A"].append(pool.blocks[1])
+    dict.pop(made.req_to_blocks, "A")  # through dict itself: the index not told
+    assert index.counts[1] == 1
+    assert index.rebuild()
+    assert index.counts == [0, 0, 0, 0]
+    made.req_to_blocks = {"B": [pool.blocks[2]]}  # a table put in the manager's place
+    assert index.rebuild() is False  # the old table (now empty) lists nothing
+    assert index.live() == []
+
+
+# -- the free list's exit, on a stand-in pool -------------------------------------------------
+
+
+def exit_pool(queue_mod: ModuleType, policy: str) -> Iterator[tuple[Any, Any]]:
+    originals = _index.guard_init(FullAttentionManager)
+    try:
+        with guarded(queue_mod, NEWEST) as cls:
+            pool = make_pool(cls, queue_mod, 8, policy)
+            yield pool, FullAttentionManager(pool)
+    finally:
+        _index.unguard_init(FullAttentionManager, originals)
+
+
+@pytest.fixture(params=["raise", "repair"])
+def guarded_exit(queue_mod: ModuleType, request: pytest.FixtureRequest) -> Iterator[Any]:
+    for pool, manager in exit_pool(queue_mod, request.param):
+        yield request.param, pool, manager
+
+
+def unguarded_release(pool: Any, block: Any) -> None:
+    """A release no guarded free makes: the count lowered and the block queued, as some
+    connectors and downstream pools return blocks."""
+    block.ref_cnt -= 1
+    pool.free_block_queue.prepend_n([block])
+
+
+def test_a_listed_block_is_never_handed_out(guarded_exit: Any, repair_log: Any) -> None:
+    policy, pool, manager = guarded_exit
+    table = manager.req_to_blocks
+    table["A"].extend(pool.get_new_blocks(2))
+    block = table["A"][1]
+    unguarded_release(pool, block)
+    free = pool.free_block_queue.num_free_blocks
+    if policy == "raise":
+        before = state(pool)
+        for _ in range(2):  # and again, while the fault stands
+            with pytest.raises(_errors.HolderAuditError) as caught:
+                pool.get_new_blocks(free)
+            assert state(pool) == before
+        message = str(caught.value)
+        said = f"BlockPool.get_new_blocks() would hand out block {block.block_id}, which is in"
+        assert message.startswith(said)
+        assert "request 'A' (FullAttentionManager) lists it" in message
+        assert "nothing was allocated" in message
+        assert "test_holder_index.py" in message  # the caller, file and line
+        return
+    taken = pool.get_new_blocks(free - 1)
+    assert all(each is not block for each in taken)
+    assert block.ref_cnt == 1
+    assert block.prev_free_block is None
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+    (record,) = [r for r in repair_log.records if "listed block" in r.message]
+    assert f"block {block.block_id} is in the free list (ref_cnt 0) while request 'A'" in (
+        record.message
+    )
+    consistent(pool)
+
+
+def test_a_fault_made_after_the_audit_is_met_in_the_same_step(
+    queue_mod: ModuleType, guarded_exit: Any
+) -> None:
+    """A guarded free made after the step's audit (a connector's callback) releases a
+    reference a running request holds; the same step's allocation does not hand it out."""
+    policy, pool, manager = guarded_exit
+    coordinator = SimpleNamespace(block_pool=pool, single_type_managers=[manager])
+    kv = SimpleNamespace(coordinator=coordinator)
+    manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
+    (block,) = manager.req_to_blocks["A"]
+    _audit.audit_holders(kv, screen_of(queue_mod), policy_of, 64)
+    pool.free_blocks([block])  # after the audit, in the same step
+    free = pool.free_block_queue.num_free_blocks
+    if policy == "raise":
+        with pytest.raises(_errors.HolderAuditError, match=f"hand out block {block.block_id},"):
+            pool.get_new_blocks(free)
+        return
+    assert all(each is not block for each in pool.get_new_blocks(free - 1))
+    _audit.audit_holders(kv, screen_of(queue_mod), policy_of, 64)  # nothing left to find
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+    consistent(pool)
+
+
+def test_a_stale_index_is_no_fault(queue_mod: ModuleType, guarded_exit: Any) -> None:
+    """A listing dropped out of the index's sight leaves its count behind: the exit finds
+    no table that lists the block, counts again, and hands it out."""
+    _, pool, manager = guarded_exit
+    manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
+    (block,) = dict.pop(manager.req_to_blocks, "A")
+    pool.free_blocks([block])
+    rebuilds = _report.index_rebuilds()
+    free = pool.free_block_queue.num_free_blocks
+    assert any(each is block for each in pool.get_new_blocks(free))
+    assert _report.index_rebuilds() == rebuilds + 1
+    assert _report.pool_repairs(pool)["listed_free"] == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_a_sound_random_workload_is_never_refused(
+    queue_mod: ModuleType, policy: str, seed: int
+) -> None:
+    """Requests made, grown, sharing a prefix, hitting freed blocks, sliding a window and
+    finishing, as vLLM's managers do, audited each step: nothing refused or repaired, and
+    after every step the index is its recount and the pool adds up."""
+    rng = random.Random(seed)
+    for pool, manager in exit_pool(queue_mod, policy):
+        coordinator = SimpleNamespace(block_pool=pool, single_type_managers=[manager])
+        kv = SimpleNamespace(coordinator=coordinator)
+        table = manager.req_to_blocks
+        index = _index.index_of(pool)
+        assert index is not None
+        repairs = dict(_report.pool_repairs(pool))
+        for step in range(300):
+            _audit.audit_holders(kv, screen_of(queue_mod), policy_of, 4)
+            live = list(table)
+            free = pool.free_block_queue.num_free_blocks
+            op = rng.randrange(6)
+            if op == 0 and free >= 2:
+                blocks: list[Any] = []
+                if live:  # a prefix another request holds
+                    blocks = table[rng.choice(live)][: rng.randrange(3)]
+                    pool.touch(blocks)
+                table[f"r{step}"].extend(blocks + pool.get_new_blocks(rng.randrange(1, 3)))
+            elif op == 1 and live and free:
+                table[rng.choice(live)].extend(pool.get_new_blocks(1))
+            elif op == 2 and live:
+                pool.free_blocks(list(reversed(table.pop(rng.choice(live)))))
+            elif op == 3 and live:  # a window slid past a request's first block
+                listed = table[rng.choice(live)]
+                first = next((i for i, b in enumerate(listed) if not b.is_null), None)
+                if first is not None:
+                    old = listed[first]
+                    listed[first] = pool.null_block
+                    pool.free_blocks([old])
+            elif op == 4 and free:  # a prefix hit on a block freed earlier
+                (hit,) = pool.free_block_queue.get_all_free_blocks()[-1:]
+                pool.touch([hit])
+                table[f"h{step}"].append(hit)
+            elif op == 5 and free:  # held a while by something that lists nothing
+                pool.free_blocks(pool.get_new_blocks(rng.randrange(1, free + 1)))
+            assert index.counts == recount(index)
+            consistent_with_holders(pool, table)
+        assert _report.pool_repairs(pool) == repairs
+
+
+def consistent_with_holders(pool: Any, table: Any) -> None:
+    """Every block a request lists is held at least once a listing, and out of the list."""
+    listed: dict[int, int] = {}
+    for blocks in table.values():
+        for block in blocks:
+            if not block.is_null:
+                listed[id(block)] = listed.get(id(block), 0) + 1
+    for block in pool.blocks:
+        if id(block) in listed:
+            assert block.ref_cnt >= listed[id(block)]
+            assert block.prev_free_block is None
+    free = pool.free_block_queue
+    assert free.num_free_blocks == len(free.get_all_free_blocks())
