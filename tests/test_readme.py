@@ -64,7 +64,8 @@ def test_a_newcomer_is_told_what_the_demo_needs() -> None:
     if not README.exists():
         pytest.skip("the suite runs outside the source tree (no README.md beside tests/)")
     text = README.read_text()
-    assert len(text.splitlines()) <= 205
+    # A budget, not the README's length: about four screens, what a newcomer reads through.
+    assert len(text.splitlines()) <= 240
     flat = " ".join(text.split())
     pins = dict(
         line.split("=", 1)

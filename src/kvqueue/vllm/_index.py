@@ -261,14 +261,18 @@ class Table(defaultdict):  # type: ignore[type-arg]
 # collection does not visit every block of every request; a list kvqueue makes in their
 # place is kept out likewise. A Listed refers to blocks and to its index, neither of which
 # refers back to it: it can be in no cycle.
-_untrack = ctypes.pythonapi.PyObject_GC_UnTrack
-_untrack.argtypes = (ctypes.py_object,)
-_untrack.restype = None
+# Only CPython's C API can untrack (PyPy's ctypes has no pythonapi): elsewhere a list kvqueue
+# makes stays tracked, which costs a collection time, never a block.
+_untrack: Any = getattr(getattr(ctypes, "pythonapi", None), "PyObject_GC_UnTrack", None)
+if _untrack is not None:
+    _untrack.argtypes = (ctypes.py_object,)
+    _untrack.restype = None
 
 
 def _untracks(factory: Any) -> bool:
-    """Whether ``factory`` (vLLM's table's) makes lists the collector does not track."""
-    if factory is None:
+    """Whether ``factory`` (vLLM's table's) makes lists the collector does not track, and
+    kvqueue's can be kept out likewise."""
+    if factory is None or _untrack is None:
         return False
     made = factory()
     return type(made) is list and not gc.is_tracked(made)
