@@ -72,6 +72,18 @@ def pool_state(scheduler: Any) -> dict[str, Any]:
     }
 
 
+def to_front(queue: Any, block: Any) -> None:
+    """``block``, linked in ``queue``, made its first, with the methods every line's queue has
+    (before 0.23 a queue has no front insertion, and a free queues at the back)."""
+    if queue.fake_free_list_head.next_free_block is block:
+        return
+    behind = [each for each in queue.get_all_free_blocks() if each is not block]
+    for each in [block, *behind]:
+        queue.remove(each)
+    queue.append(block)
+    queue.append_n(behind)
+
+
 def step(scheduler: Any, states: list[dict[str, Any]]) -> Any:
     try:
         return scheduler.schedule()
@@ -106,7 +118,8 @@ def run(form: str) -> dict[str, Any]:
     refs_before = block.ref_cnt
     if form == "unguarded":  # returned the way some connectors and downstream pools do
         block.ref_cnt -= 1
-        pool.free_block_queue.prepend_n([block])
+        pool.free_block_queue.append(block)
+        to_front(pool.free_block_queue, block)
     elif form == "after_audit":  # freed by a callback of the next step, after its audit
         manager = scheduler.kv_cache_manager
         start = manager.new_step_starts
@@ -115,8 +128,9 @@ def run(form: str) -> dict[str, Any]:
             start()
             del manager.new_step_starts
             # Queued first, as each line queues a block it holds no hash for (vLLM 0.23
-            # is told so; later lines do so themselves).
+            # is told so; later lines do so themselves; earlier lines queue it last).
             pool.free_blocks([block], **first)
+            to_front(pool.free_block_queue, block)
 
         manager.new_step_starts = new_step_starts
     else:
