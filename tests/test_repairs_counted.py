@@ -250,6 +250,8 @@ _LOGS = re.compile(r"_log\.(?:queue_)?repaired\(|\blogger\.\w+\([^)]*repaired", 
 
 
 def test_every_place_that_logs_a_repair_is_driven_here() -> None:
+    if not SOURCES.is_dir():
+        pytest.skip("the suite runs outside the source tree (no src/ beside tests/)")
     found = set()
     for path in [*SOURCES.rglob("*.py"), *SOURCES.rglob("*.pyx")]:
         text = path.read_text()
