@@ -49,14 +49,13 @@ _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictio
 # and the steps it audited.
 _findings: dict[str, int] = dict.fromkeys(_policy.AUDIT_MISUSES, 0)
 _audited = [0]
-# The times the holder index was found stale by a full read, and rebuilt.
-_rebuilt = [0]
 # Every refusal (under "raise") and repair of the guard and its audit in this process, every
-# finding of the audit, and every repair of a queue (outcome "queue_repaired"), by (outcome,
-# method, kind); each count is handed to the one watcher (kvqueue's metrics, ``_metrics``) as
-# it moves.
+# finding of the audit, every repair of a queue (outcome "queue_repaired") and every rebuild of
+# a stale holder index (``_REBUILT``), by (outcome, method, kind); each count is handed to the
+# one watcher (kvqueue's metrics, ``_metrics``) as it moves.
 _events: dict[tuple[str, str, str], int] = {}
 _watcher: list[Callable[[str, str, str, int], None]] = []
+_REBUILT = ("rebuilt", _registry.AUDIT_HOOK, "index_stale")
 
 # The last frees the guard passed, newest last: (the blocks, the caller's code and line).
 # The audit names the one that last released a block it finds shared; a step frees far
@@ -88,14 +87,12 @@ def count_audit() -> None:
 
 def count_rebuild() -> int:
     """Count a rebuild of a stale holder index; this process's count of them."""
-    _rebuilt[0] += 1
-    _event("rebuilt", _registry.AUDIT_HOOK, "index_stale")
-    return _rebuilt[0]
+    return _event(*_REBUILT)
 
 
 def index_rebuilds() -> int:
     """How many times a full read found the holder index stale in this process."""
-    return _rebuilt[0]
+    return _events.get(_REBUILT, 0)
 
 
 def count_finding(kind: _policy.AuditMisuse) -> None:
@@ -126,11 +123,13 @@ def watch(watcher: Callable[[str, str, str, int], None] | None) -> None:
     _watcher[:] = [] if watcher is None else [watcher]
 
 
-def _event(outcome: str, method: str, kind: str) -> None:
+def _event(outcome: str, method: str, kind: str) -> int:
+    """Count one event; its count in this process."""
     key = (outcome, method, kind)
     count = _events[key] = _events.get(key, 0) + 1
     for watcher in _watcher:
         watcher(outcome, method, kind, count)
+    return count
 
 
 # A repair to log: (message arguments). Logged once vLLM's method has run, so that
