@@ -1,6 +1,7 @@
 """The holder index (``kvqueue.vllm._index``): its counts against a recount after every
-change of a seeded random workload, and the free list's exit it guards (``get_new_blocks``
-never hands out a listed block) on a stand-in pool, both twins, both policies.
+change of a seeded random workload, and the free list's two doors it guards (nothing but a
+guarded free queues a held or listed block; ``get_new_blocks`` never hands out a listed
+block) on a stand-in pool, both twins, both policies.
 
 vLLM's own Scheduler with the index is vllm_tests/test_holder_audit.py's.
 """
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvqueue import _errors
-from kvqueue.vllm import _audit, _index, _report
+from kvqueue.vllm import _audit, _index, _pool_guard, _report
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, policy_of, screen_of, state
@@ -266,8 +267,10 @@ def test_a_change_out_of_sight_is_found_by_a_recount(managers: type) -> None:
 # -- the free list's exit, on a stand-in pool -------------------------------------------------
 
 
-def exit_pool(queue_mod: ModuleType, policy: str) -> Iterator[tuple[Any, Any]]:
-    originals = _index.guard_init(FullAttentionManager)
+def exit_pool(queue_mod: ModuleType, policy: str, entry: bool = False) -> Iterator[tuple[Any, Any]]:
+    """A guarded stand-in pool and its manager; ``entry``: its queue's gate is the free
+    list's entry check, as install() makes it (without: a queue no gate guards)."""
+    originals = _index.guard_init(FullAttentionManager, _pool_guard.door if entry else None)
     try:
         with guarded(queue_mod, NEWEST) as cls:
             pool = make_pool(cls, queue_mod, 8, policy)
@@ -364,10 +367,11 @@ def test_a_sound_random_workload_is_never_refused(
     queue_mod: ModuleType, policy: str, seed: int
 ) -> None:
     """Requests made, grown, sharing a prefix, hitting freed blocks, sliding a window and
-    finishing, as vLLM's managers do, audited each step: nothing refused or repaired, and
-    after every step the index is its recount and the pool adds up."""
+    finishing, as vLLM's managers do, audited each step, the free list's entry and exit
+    checked: nothing refused or repaired, and after every step the index is its recount and
+    the pool adds up."""
     rng = random.Random(seed)
-    for pool, manager in exit_pool(queue_mod, policy):
+    for pool, manager in exit_pool(queue_mod, policy, entry=True):
         coordinator = SimpleNamespace(block_pool=pool, single_type_managers=[manager])
         kv = SimpleNamespace(coordinator=coordinator)
         table = manager.req_to_blocks
@@ -420,3 +424,100 @@ def consistent_with_holders(pool: Any, table: Any) -> None:
             assert block.prev_free_block is None
     free = pool.free_block_queue
     assert free.num_free_blocks == len(free.get_all_free_blocks())
+
+
+# -- the free list's entry, on a stand-in pool ------------------------------------------------
+
+
+@pytest.fixture(params=["raise", "repair"])
+def guarded_entry(queue_mod: ModuleType, request: pytest.FixtureRequest) -> Iterator[Any]:
+    for pool, manager in exit_pool(queue_mod, request.param, entry=True):
+        yield request.param, pool, manager
+
+
+def link(queue: Any, method: str, blocks: list[Any]) -> None:
+    if method == "append":
+        for block in blocks:
+            queue.append(block)
+    else:
+        getattr(queue, method)(blocks)
+
+
+@pytest.mark.parametrize("method", ["append", "append_n", "prepend_n"])
+def test_a_listed_block_released_by_hand_is_not_queued(
+    guarded_entry: Any, method: str, repair_log: Any
+) -> None:
+    policy, pool, manager = guarded_entry
+    table = manager.req_to_blocks
+    table["A"].extend(pool.get_new_blocks(2))
+    block = table["A"][1]
+    block.ref_cnt -= 1  # released by no guarded free
+    if policy == "raise":
+        before = state(pool)
+        for _ in range(2):  # and again, while the fault stands
+            with pytest.raises(_errors.HolderAuditError) as caught:
+                link(pool.free_block_queue, method, [block])
+            assert state(pool) == before
+        message = str(caught.value)
+        said = f"FreeKVCacheBlockQueue.{method}() would queue block {block.block_id} free, "
+        assert message.startswith(said + "which request 'A' (FullAttentionManager) lists")
+        assert "nothing was queued" in message
+        assert "test_holder_index.py" in message  # the caller, file and line
+        return
+    link(pool.free_block_queue, method, [block])
+    assert block.ref_cnt == 1  # its listing's reference, given back
+    assert block.prev_free_block is None
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+    (record,) = [r for r in repair_log.records if "queued a held block" in r.message]
+    assert f"block {block.block_id} request 'A' (FullAttentionManager) lists" in record.message
+    assert "left out of the free list, ref_cnt 0 -> 1" in record.message
+    consistent(pool)
+
+
+def test_a_held_block_is_not_queued_and_the_rest_of_its_batch_is(guarded_entry: Any) -> None:
+    """A block queued with its reference (a connector's ``append_n`` of a block it holds):
+    the scheduler would count it free, and the allocation after would find it held."""
+    policy, pool, _ = guarded_entry
+    held, spare = pool.get_new_blocks(2)
+    spare.ref_cnt = 0
+    if policy == "raise":
+        before = state(pool)
+        with pytest.raises(_errors.HolderAuditError, match="which holds 1 reference:"):
+            pool.free_block_queue.append_n([spare, held])
+        assert state(pool) == before
+        return
+    free = pool.free_block_queue.num_free_blocks
+    pool.free_block_queue.append_n([spare, held])
+    assert pool.free_block_queue.num_free_blocks == free + 1
+    assert held.ref_cnt == 1
+    assert held.prev_free_block is None
+    assert spare.prev_free_block is not None
+    assert _report.pool_repairs(pool)["held_free"] == 1
+    # Every block counted free can be handed out: none is found held at the exit.
+    assert len(pool.get_new_blocks(free + 1)) == free + 1
+
+
+def test_a_guarded_free_passes_the_entry(guarded_entry: Any) -> None:
+    """vLLM's own frees are checked by their guard, at the exit and by the audit: the entry
+    lets them by, even one that frees a block before its listing is replaced (vLLM's mamba
+    manager frees a state block, then lists the null block in its place)."""
+    _, pool, manager = guarded_entry
+    table = manager.req_to_blocks
+    table["A"].extend(pool.get_new_blocks(2))
+    block = table["A"][0]
+    pool.free_blocks([block])
+    table["A"][0] = pool.null_block
+    assert block.prev_free_block is not None
+    assert sum(_report.pool_repairs(pool).values()) == 0
+    consistent(pool)
+
+
+def test_the_entry_is_open_once_the_guard_is_off(queue_mod: ModuleType) -> None:
+    for pool, manager in exit_pool(queue_mod, "raise", entry=True):
+        table = manager.req_to_blocks
+        table["A"].extend(pool.get_new_blocks(1))
+        (block,) = table["A"]
+        assert isinstance(pool.free_block_queue.gate, _pool_guard._Door)
+    block.ref_cnt -= 1
+    pool.free_block_queue.prepend_n([block])  # unguarded: vLLM's own behaviour
+    assert block.prev_free_block is not None

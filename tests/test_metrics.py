@@ -86,8 +86,11 @@ def test_every_counter_an_engine_can_move() -> None:
     assert ("queue_repaired", "append", "linked") in found
     # The free list's exit refuses or repairs a block a live request lists.
     assert ("repaired", "get_new_blocks", "listed_free") in found
+    # The free list's entry refuses or repairs a held or listed block, at each of its doors.
+    assert ("refused", "prepend_n", "listed_free") in found
     queue = 2 + 3 + 4 + 4 + 2
-    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 3 + 4) + 4 + 1 + queue
+    entry = 3 * 2
+    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 3 + entry + 4) + 4 + 1 + queue
     unguarded = _metrics.combinations([], False)
     assert not any(method == "new_step_starts" for _, method, _ in unguarded)
     assert len(unguarded) == queue

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvqueue import KVCacheBlock, _policy
-from kvqueue.vllm import _audit, _index, _metrics, _report
+from kvqueue.vllm import _audit, _index, _metrics, _pool_guard, _registry, _report
 
 from support.fake_pool import guarded, line, make_pool, policy_of, screen_of
 
@@ -149,6 +149,22 @@ def _listed_in_alloc(pool: Any) -> None:
     pool.get_new_blocks(1)
 
 
+def _entry(pool: Any, queue_mod: ModuleType, *, method: str, kind: str) -> None:
+    """A block queued by hand while a live request lists it (released by no guarded free), or
+    while it holds a reference, met at the free list's entry."""
+    manager = type("FullAttentionManager", (), {})()
+    manager.req_to_blocks, manager.block_pool = defaultdict(list), pool
+    _index.adopt(manager, _pool_guard.door)
+    manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
+    (block,) = manager.req_to_blocks["A"]
+    if kind == "listed_free":
+        block.ref_cnt -= 1
+    else:
+        del manager.req_to_blocks["A"]
+    queue = pool.free_block_queue
+    queue.append(block) if method == "append" else getattr(queue, method)([block])
+
+
 def _held_in_alloc(pool: Any, refs: int) -> None:
     (block,) = pool.get_new_blocks(1)
     block.ref_cnt = refs
@@ -183,6 +199,11 @@ GUARD_CALLS: dict[tuple[str, str], Callable[[Any, ModuleType], object]] = {
     ("get_new_blocks", "held_free"): lambda pool, mod: _held_in_alloc(pool, 1),
     ("get_new_blocks", "negative_ref"): lambda pool, mod: _held_in_alloc(pool, -1),
     ("get_new_blocks", "listed_free"): lambda pool, mod: _listed_in_alloc(pool),
+    **{
+        (method, kind): functools.partial(_entry, method=method, kind=kind)
+        for method, kinds in _registry.ENTRY.items()
+        for kind in kinds
+    },
     **{
         ("new_step_starts", kind): functools.partial(_audited, kind=kind)
         for kind in _policy.AUDIT_MISUSES
@@ -243,9 +264,9 @@ def test_every_counter_an_engine_writes_is_driven_here() -> None:
 
 
 # The functions that log a repair, each driven above: the queue's (both twins), the guard's
-# notes, the holder audit's, the free list's exit, the holder index's rebuild. A repair
+# notes, the holder audit's, the free list's entry and exit, the holder index's rebuild. A repair
 # logged anywhere else has no counter this file checks.
-LOGGED_BY = {"_misuse", "log_notes", "_found", "hand_out", "_rebuilt"}
+LOGGED_BY = {"_misuse", "log_notes", "_found", "enter", "hand_out", "_rebuilt"}
 _LOGS = re.compile(r"_log\.(?:queue_)?repaired\(|\blogger\.\w+\([^)]*repaired", re.S)
 
 

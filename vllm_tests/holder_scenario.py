@@ -13,8 +13,10 @@ The forms, each a free that releases a reference a live request still holds:
 * ``single``: a connector frees a running request's only reference to its first block; C
   asks for every free block.
 * ``unguarded``: a running request's only reference to its last block released by no
-  guarded free (``ref_cnt`` lowered, the block put at the free list's front by hand); C
-  asks for every free block but one.
+  guarded free (``ref_cnt`` lowered, the block queued and put at the free list's front by
+  hand); C asks for every free block but one.
+* ``queued_held``: as ``unguarded``, the block queued with its reference (``ref_cnt`` left
+  as it is).
 * ``after_audit``: as ``unguarded``, the release a guarded free made by a callback of the
   step C is scheduled in, after that step's audit.
 
@@ -77,11 +79,19 @@ def to_front(queue: Any, block: Any) -> None:
     (before 0.23 a queue has no front insertion, and a free queues at the back)."""
     if queue.fake_free_list_head.next_free_block is block:
         return
-    behind = [each for each in queue.get_all_free_blocks() if each is not block]
-    for each in [block, *behind]:
-        queue.remove(each)
-    queue.append(block)
-    queue.append_n(behind)
+    # A move within the free list, not a release: past kvqueue's entry check.
+    gate = getattr(queue, "gate", None)
+    if gate is not None:
+        queue.gate = None
+    try:
+        behind = [each for each in queue.get_all_free_blocks() if each is not block]
+        for each in [block, *behind]:
+            queue.remove(each)
+        queue.append(block)
+        queue.append_n(behind)
+    finally:
+        if gate is not None:
+            queue.gate = gate
 
 
 def step(scheduler: Any, states: list[dict[str, Any]]) -> Any:
@@ -109,17 +119,25 @@ def run(form: str) -> dict[str, Any]:
     # Met at the free list's exit, the block is the holder's partial last one, which a free
     # queues first; C then asks for one block fewer than are free, so that the block's
     # repair leaves it every block it was counted.
-    exit_form = form in ("unguarded", "after_audit")
+    exit_form = form in ("unguarded", "after_audit", "queued_held")
     if exit_form:
         victim = table[holder][-1]
     else:
         victim = next(i for i in table[holder] if form == "single" or i in table["A"])
     block = pool.blocks[victim]
     refs_before = block.ref_cnt
-    if form == "unguarded":  # returned the way some connectors and downstream pools do
-        block.ref_cnt -= 1
-        pool.free_block_queue.append(block)
-        to_front(pool.free_block_queue, block)
+    result: dict[str, Any] = {"block": victim, "holder": holder, "refs_before": refs_before}
+    if form in ("unguarded", "queued_held"):
+        # Returned the way some connectors and downstream pools do: the count lowered by
+        # hand, or left as it is (the block queued with its reference).
+        block.ref_cnt -= form == "unguarded"
+        try:
+            pool.free_block_queue.append(block)
+        except Exception as exc:
+            result["refused"] = f"{type(exc).__name__}: {exc}"
+            block.ref_cnt = refs_before  # refused, the caller keeps its reference
+        if block.prev_free_block is not None:
+            to_front(pool.free_block_queue, block)
     elif form == "after_audit":  # freed by a callback of the next step, after its audit
         manager = scheduler.kv_cache_manager
         start = manager.new_step_starts
@@ -141,7 +159,6 @@ def run(form: str) -> dict[str, Any]:
     wanted = pool.get_num_free_blocks() + (form == "after_audit") - exit_form
     (c,) = create_requests(3, num_tokens=wanted * BLOCK, req_ids=["x", "y", "C"])[2:]
     scheduler.add_request(c)
-    result: dict[str, Any] = {"block": victim, "holder": holder, "refs_before": refs_before}
     try:
         step(scheduler, states)
     except Exception as exc:

@@ -3,8 +3,10 @@
 Every line runs this (``run.py``'s LINE_TESTS). The scenario (``holder_scenario.py``) runs in
 its own process from the line's own test files, whose ``create_scheduler`` builds the
 scheduler; it is run once and its results shared. Forms: ``shared`` (a cached prefix block of
-A and B freed once more, A aborted, C asks for every free block) and ``single`` (a running
-request's only reference freed by a connector-like caller). Under ``"raise"`` the step that
+A and B freed once more, A aborted, C asks for every free block), ``single`` (a running
+request's only reference freed by a connector-like caller), ``after_audit`` (freed by a
+callback after the step's audit), ``unguarded`` and ``queued_held`` (queued by hand, with
+its count lowered or left). Under ``"raise"`` the step that
 raised is started again, as a caller that catches the error would: it raises again.
 """
 
@@ -35,8 +37,11 @@ LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
 HERE = Path(__file__).resolve().parent
 FORMS = ("shared", "single")
-# Faults the step's audit cannot see: met where the free list hands blocks out.
-EXIT_FORMS = ("unguarded", "after_audit")
+# A fault the step's audit cannot see (a guarded free after it): met where the free list
+# hands blocks out.
+EXIT_FORMS = ("after_audit",)
+# A block queued by no guarded free while a live request lists it: met as it is queued.
+ENTRY_FORMS = ("unguarded", "queued_held")
 KVQUEUE = ("cython", "python")
 
 
@@ -56,8 +61,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         VLLM_TARGET_DEVICE="cpu",
     )
     env.pop("KVQUEUE_ON_MISUSE", None)
+    forms = ",".join(FORMS + EXIT_FORMS + ENTRY_FORMS)
     done = subprocess.run(
-        [sys.executable, str(HERE / "holder_scenario.py"), ",".join(FORMS + EXIT_FORMS)],
+        [sys.executable, str(HERE / "holder_scenario.py"), forms],
         cwd=root,
         env=env,
         capture_output=True,
@@ -74,7 +80,7 @@ def over_held(run: dict[str, Any]) -> list[list[int]]:
     return [state["over_held"] for state in run["states"] if state["over_held"]]
 
 
-@pytest.mark.parametrize("form", FORMS + EXIT_FORMS)
+@pytest.mark.parametrize("form", [*FORMS, *EXIT_FORMS, "unguarded"])
 def test_vllm_alone_hands_the_block_to_a_second_request(results: dict[str, Any], form: str) -> None:
     run = results[f"{form}/vllm/-"]
     assert "raised" not in run
@@ -105,10 +111,17 @@ def test_raise_stops_the_step_before_the_block_is_handed_out(
     assert all(state["count_is_list"] for state in run["states"])
 
 
-# Met at the step's audit (FORMS) or where the block would leave the free list (EXIT_FORMS):
-# the holder keeps it, every other block is handed out.
+def test_vllm_alone_queues_a_held_block_free(results: dict[str, Any]) -> None:
+    run = results["queued_held/vllm/-"]
+    # C is handed the block its holder still lists, or vLLM's own assertion stops the step.
+    assert run["c_has_block"] or "AssertionError" in run.get("raised", "")
+    assert run["holder_has_block"]
+
+
+# Met at the step's audit (FORMS), where the block would leave the free list (EXIT_FORMS) or
+# where it would enter it (ENTRY_FORMS): the holder keeps it, every other block is handed out.
 @pytest.mark.parametrize("twin", KVQUEUE)
-@pytest.mark.parametrize("form", FORMS + EXIT_FORMS)
+@pytest.mark.parametrize("form", FORMS + EXIT_FORMS + ENTRY_FORMS)
 def test_repair_keeps_the_block_with_its_holder(
     results: dict[str, Any], form: str, twin: str
 ) -> None:
@@ -140,3 +153,24 @@ def test_raise_stops_the_allocation_that_would_hand_out_a_listed_block(
     assert run["holder_has_block"]
     assert run["in_free_list"]  # nothing changed: the fault stands, named
     assert all(state["count_is_list"] for state in run["states"])
+
+
+@pytest.mark.parametrize("twin", KVQUEUE)
+@pytest.mark.parametrize("form", ENTRY_FORMS)
+def test_raise_refuses_the_call_that_would_queue_a_listed_block(
+    results: dict[str, Any], form: str, twin: str
+) -> None:
+    run = results[f"{form}/{twin}/raise"]
+    message = run["refused"]
+    said = f"HolderAuditError: FreeKVCacheBlockQueue.append() would queue block {run['block']} "
+    assert message.startswith(said)
+    assert f"which request '{run['holder']}' (FullAttentionManager) lists" in message
+    assert "holder_scenario.py" in message  # the call that made the fault, file and line
+    assert "raised" not in run  # nothing shared: the steps go on
+    assert not run["c_has_block"]
+    assert run["holder_has_block"]
+    assert not run["in_free_list"]
+    assert run["ref_cnt"] == 1
+    assert not over_held(run)
+    assert all(state["count_is_list"] for state in run["states"])
+    assert run["c_served"]

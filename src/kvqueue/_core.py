@@ -25,6 +25,7 @@ __all__ = (
     "constructor_arguments",
     "count",
     "first_block_type",
+    "gate",
     "link_misuse",
 )
 
@@ -112,3 +113,10 @@ def link_misuse(
     if any(block is other for other in batch[:position]):
         return "duplicate"
     return "linked" if linked else "other_pool"
+
+
+def gate(value: object) -> Any:
+    """``value`` as a queue's gate: None or a callable; raises TypeError for anything else."""
+    if value is not None and not callable(value):
+        raise TypeError(f"a queue's gate is None or a callable, not {type(value).__qualname__}")
+    return value

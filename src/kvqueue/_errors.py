@@ -113,6 +113,13 @@ def listed_handed_out(
     )
 
 
+def queued_held(call: str, block: str, what: str, where: str) -> HolderAuditError:
+    return HolderAuditError(
+        f"{call} would queue block {block} free, which {what}: the next allocation would hand "
+        f"it to a second holder; nothing was queued. {where}"
+    )
+
+
 # kvqueue.vllm's refusals of a vLLM it cannot patch.
 
 

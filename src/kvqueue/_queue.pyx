@@ -157,6 +157,8 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
     cdef Py_ssize_t _offset
     cdef bint _repair
     cdef object _repairs
+    # What admits a batch (None: every block the checks pass); called before any read.
+    cdef object _gate
     # The pool this queue's blocks belong to (None: unbound) and its slot.
     cdef object _pool
     cdef Py_ssize_t _pool_off
@@ -286,6 +288,22 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         """How many misuses of each kind this queue repaired (a new dict)."""
         self._check()
         return dict(self._repairs)
+
+    @property
+    def gate(self):
+        """What admits blocks to the list (None: every block the queue's checks pass).
+
+        Called as ``gate(method, blocks)`` by ``append``, ``append_n`` and ``prepend_n``
+        with the batch (a list or tuple; ``[block]`` for ``append``) before the queue reads
+        its list; the batch methods link the sequence it returns, ``append`` links its block
+        only if that sequence is not empty. What the gate raises leaves the queue as it was.
+        Settable to None or a callable; raises TypeError for anything else.
+        """
+        return self._gate
+
+    @gate.setter
+    def gate(self, value):
+        self._gate = _core.gate(value)
 
     def __setattr__(self, name, value):
         # Only here, not in the member: a writable member would skip _set_count.
@@ -440,9 +458,11 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         """Put ``block`` at the end of the queue (evicted last). O(1).
 
         Raises TypeError for a non-block, ValueError for a linked block or a
-        sentinel (under ``"repair"``: skipped).
+        sentinel (under ``"repair"``: skipped), and what the :attr:`gate` raises.
         """
         self._check()
+        if self._gate is not None and not self._gate("append", [block]):
+            return
         tail = self.fake_free_list_tail
         last_block = <object>self._follow(<PyObject *>tail, self._prev, "append")
         if last_block is None:
@@ -509,6 +529,11 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if n == 0:
             return
+        if self._gate is not None:
+            seq = _as_sequence(self._gate("append_n", seq), "append_n")
+            n = PySequence_Fast_GET_SIZE(seq)
+            if n == 0:
+                return
         cdef PyObject *b = PySequence_Fast_GET_ITEM(seq, 0)
         # One block, the most frequent batch, is linked as append() links it;
         # anything but a fresh block goes through _link, which reports it.
@@ -532,6 +557,11 @@ vLLM's ``FreeKVCacheBlockQueue``: free blocks in eviction order.
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         if n == 0:
             return
+        if self._gate is not None:
+            seq = _as_sequence(self._gate("prepend_n", seq), "prepend_n")
+            n = PySequence_Fast_GET_SIZE(seq)
+            if n == 0:
+                return
         cdef PyObject *b = PySequence_Fast_GET_ITEM(seq, 0)
         if n == 1 and self._is_fresh(b):
             head = self.fake_free_list_head

@@ -36,7 +36,7 @@ the queue, and the checks of a subclass's blocks, come before the reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import index, length_hint
 from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast, final
 
@@ -55,6 +55,8 @@ class LinkedBlock(Protocol):
 
 
 B = TypeVar("B", bound=LinkedBlock)
+#: What admits a batch to a queue's list: ``gate(method, blocks)`` -> the blocks to link.
+Gate = Callable[[str, Sequence[Any]], Sequence[Any]]
 
 
 @final
@@ -75,6 +77,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         "__weakref__",
         "_block_type",
         "_building",
+        "_gate",
         "_head",
         "_num_free_blocks",
         "_offset",
@@ -128,6 +131,7 @@ class FreeKVCacheBlockQueue(Generic[B]):
         self._num_free_blocks = 0
         self._offset = 0
         self._on_misuse = policy
+        self._gate: Gate | None = None
         self._pool = pool
         self._repairs: dict[str, int] = dict.fromkeys(_policy.QUEUE_MISUSES, 0)
         self._tail: B = tail
@@ -185,6 +189,22 @@ class FreeKVCacheBlockQueue(Generic[B]):
     def repairs(self) -> dict[str, int]:
         """How many misuses of each kind this queue repaired (a new dict)."""
         return dict(self._repairs)
+
+    @property
+    def gate(self) -> Gate | None:
+        """What admits blocks to the list (None: every block the queue's checks pass).
+
+        Called as ``gate(method, blocks)`` by ``append``, ``append_n`` and ``prepend_n``
+        with the batch (a list or tuple; ``[block]`` for ``append``) before the queue reads
+        its list; the batch methods link the sequence it returns, ``append`` links its block
+        only if that sequence is not empty. What the gate raises leaves the queue as it was.
+        Settable to None or a callable; raises TypeError for anything else.
+        """
+        return self._gate
+
+    @gate.setter
+    def gate(self, value: Gate | None) -> None:
+        self._gate = _core.gate(value)
 
     def popleft(self, /) -> B:
         """Pop the first free block. O(1).
@@ -324,8 +344,11 @@ class FreeKVCacheBlockQueue(Generic[B]):
         """Put ``block`` at the end of the queue (evicted last). O(1).
 
         Raises TypeError for a non-block, ValueError for a linked block or a
-        sentinel (under ``"repair"``: skipped).
+        sentinel (under ``"repair"``: skipped), and what the :attr:`gate` raises.
         """
+        gate = self._gate
+        if gate is not None and not gate("append", [block]):
+            return
         tail: Any = self._tail
         last_block = tail.prev_free_block
         if last_block is None:
@@ -370,6 +393,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
             blocks = _core.as_sequence(blocks, "append_n")
         if not blocks:
             return
+        if self._gate is not None:
+            blocks = _core.as_sequence(self._gate("append_n", blocks), "append_n")
+            if not blocks:
+                return
         if len(blocks) == 1:
             # One block, the most frequent batch, linked as append() links it. Only an
             # exact-type, unlinked block of the pool takes this path; _link reports the rest.
@@ -444,6 +471,10 @@ class FreeKVCacheBlockQueue(Generic[B]):
             blocks = _core.as_sequence(blocks, "prepend_n")
         if not blocks:
             return
+        if self._gate is not None:
+            blocks = _core.as_sequence(self._gate("prepend_n", blocks), "prepend_n")
+            if not blocks:
+                return
         self._link("prepend_n", True, blocks)
 
     def _link(self, method: str, front: bool, blocks: Sequence[B], screened: bool = False) -> bool:

@@ -40,10 +40,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import _errors, _log, _render
+from .. import _errors, _log, _policy, _render
 from . import _index, _registry, _report, _rules
 
-__all__ = ("audit_holders", "hand_out")
+__all__ = ("audit_holders", "enter", "hand_out")
 
 # Per KVCacheManager: the guarded frees made when it was last audited, and the steps since
 # its last full audit.
@@ -237,6 +237,75 @@ def hand_out(
                 done,
                 where,
             )
+
+
+def enter(
+    pool: Any, method: str, blocks: Any, index: _index.Index, policy: Callable[[Any], str]
+) -> list[Any]:
+    """The blocks of ``blocks`` that ``pool``'s queue may link, when its gate (called by
+    ``method``: anything but a guarded free) found one that holds a reference or that a
+    live request lists: ``"raise"``: HolderAuditError, nothing queued, naming the block, its
+    holders and the caller; ``"repair"``: each such block is left out (its ``ref_cnt``
+    raised to its listings: nothing lost, nothing shared), counted and logged.
+    O(len(blocks)) a batch, O(listings) to name a block's holders.
+    """
+    call = f"FreeKVCacheBlockQueue.{method}()"
+    refused: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]]]] = []
+    kept = []
+    counts = index.counts
+    pool_blocks = index.blocks
+    size = len(counts)
+    for block in blocks:
+        block_id = getattr(block, "block_id", None)
+        if not (type(block_id) is int and 0 <= block_id < size and pool_blocks[block_id] is block):
+            kept.append(block)
+            continue
+        listed = index.holders(block) if counts[block_id] else []
+        if counts[block_id] and not listed and _rebuilt(pool, index):
+            listed = index.holders(block)
+        refs = getattr(block, "ref_cnt", 0)
+        if listed:
+            refused.append(("listed_free", block, listed))
+        elif type(refs) is int and refs > 0:
+            refused.append(("held_free", block, listed))
+        else:
+            kept.append(block)
+    if not refused:
+        return kept
+    if policy(pool) == "raise":
+        kind, block, listed = refused[0]
+        _report.count_refusal(method, kind)
+        raise _errors.queued_held(
+            call, _report.named(block), _held(kind, block, listed), _report.where(pool)
+        )
+    lines = []
+    for kind, block, listed in refused:
+        refs = block.ref_cnt
+        done = "left out of the free list"
+        if type(refs) is int and refs < len(listed):
+            block.ref_cnt = len(listed)
+            done += f", ref_cnt {_render.number(refs)} -> {len(listed)}"
+        count = _report.count_repair(pool, kind, method)
+        lines.append((kind, count, _report.named(block), _held(kind, block, listed), done))
+    where = _report.where(pool)
+    for kind, count, name, what, done in lines:
+        _log.repaired(
+            "%s would have queued a held block free (%s #%d on this pool): block %s %s: %s. %s",
+            call,
+            kind,
+            count,
+            name,
+            what,
+            done,
+            where,
+        )
+    return kept
+
+
+def _held(kind: str, block: Any, listed: list[tuple[str, Any]]) -> str:
+    if kind == "listed_free":
+        return f"{_who(listed)} lists (ref_cnt {_render.number(block.ref_cnt)})"
+    return f"holds {_render.plural(block.ref_cnt, 'reference')}"
 
 
 def _listers(managers: list[Any], wanted: set[int]) -> dict[int, list[tuple[str, Any]]]:

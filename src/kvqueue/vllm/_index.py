@@ -326,10 +326,11 @@ def index_of(pool: Any) -> Index | None:
         return None
 
 
-def adopt(manager: Any) -> None:
+def adopt(manager: Any, on_index: Callable[[Any, Index], None] | None = None) -> None:
     """Give a just-built manager a :class:`Table` of its pool's index in place of vLLM's
     ``req_to_blocks`` (a ``defaultdict``); O(what it lists). A HiSparse manager, one
-    without a pool's block list, or a table of another kind keeps its own."""
+    without a pool's block list, or a table of another kind keeps its own. ``on_index`` is
+    handed each pool and its index when the index is made."""
     own = vars(manager)
     table = own.get("req_to_blocks")
     pool = own.get("block_pool")
@@ -345,6 +346,8 @@ def adopt(manager: Any) -> None:
             _indexes[pool] = index
         except TypeError:
             return
+        if on_index is not None:
+            on_index(pool, index)
     made = Table(index, manager, _untracks(table.default_factory))
     for request, blocks in dict.items(table):
         made[request] = blocks
@@ -352,10 +355,12 @@ def adopt(manager: Any) -> None:
     index.tables.append(weakref.ref(made))
 
 
-def guard_init(manager_class: type) -> dict[str, Any]:
+def guard_init(
+    manager_class: type, on_index: Callable[[Any, Index], None] | None = None
+) -> dict[str, Any]:
     """``manager_class.__init__`` (vLLM's ``SingleTypeKVCacheManager``'s, which every
-    manager's runs) followed by :func:`adopt`; vLLM's ``__init__``, by name, for
-    :func:`unguard_init` (none for a class without its own). Guarding again replaces
+    manager's runs) followed by :func:`adopt` (``on_index`` as it says); vLLM's ``__init__``, by
+    name, for :func:`unguard_init` (none for a class without its own). Guarding again replaces
     kvqueue's ``__init__`` with a new one over vLLM's, never over its own."""
     found = vars(manager_class).get("__init__")
     if found is None:
@@ -365,7 +370,7 @@ def guard_init(manager_class: type) -> dict[str, Any]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        adopt(self)
+        adopt(self, on_index)
 
     _made[__init__] = original
     manager_class.__init__ = __init__  # type: ignore[misc]

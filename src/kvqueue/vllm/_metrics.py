@@ -100,7 +100,13 @@ _collected: set[str] = set()
 def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
     """Every (outcome, method, kind) the guard on ``guarded`` methods (and the audit) and
     kvqueue's queue can count, each written at 0 when an engine core starts."""
-    methods = [m for m in _KINDS if m in guarded or (audit and m == _AUDIT)]
+    # The free list's entry is checked where the holder index is kept: with the guard.
+    entry = bool(guarded) and audit
+    methods = [
+        m
+        for m in _KINDS
+        if m in guarded or (audit and m == _AUDIT) or (entry and m in _registry.ENTRY)
+    ]
     found = [
         (outcome, method, kind)
         for outcome in ("refused", "repaired")

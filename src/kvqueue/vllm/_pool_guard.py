@@ -38,6 +38,7 @@ from ._report import pool_repairs
 __all__ = (
     "AUDITED",
     "GUARDED",
+    "door",
     "guard",
     "in_place",
     "originals",
@@ -304,11 +305,7 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     own = line.has_pool_field
     weak = line.weak_pool
 
-    def free(self: Any, blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # vLLM iterates its argument once; a list made here is what it iterates,
-        # so what was screened is what is freed.
-        blocks = list(blocks)
-        freed(blocks)
+    def screened(self: Any, blocks: list[Any], args: tuple[Any, ...], kwargs: Any) -> Any:
         # What the pool's own blocks hold as their pool (line.pool_ref, inlined: every call).
         found = first_excess(blocks, self._weak_self if weak else self if own else None)
         if found == -1:
@@ -322,7 +319,68 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             lambda call: _rules.free(self, blocks, line, made.name, made.policy, _guard_of, call),
         )
 
+    def free(self: Any, blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # vLLM iterates its argument once; a list made here is what it iterates,
+        # so what was screened is what is freed.
+        blocks = list(blocks)
+        freed(blocks)
+        door = getattr(self.free_block_queue, "gate", None)
+        if type(door) is not _Door:
+            return screened(self, blocks, args, kwargs)
+        # A free screened here passes the free list's entry: its blocks are checked here,
+        # at the exit and by the audit (vLLM's mamba manager frees a block a step's
+        # request still lists, and lists the null block in its place just after).
+        door.freeing += 1
+        try:
+            return screened(self, blocks, args, kwargs)
+        finally:
+            door.freeing -= 1
+
     return _adapter(made, line, free)
+
+
+class _Door:
+    """The free list's entry of one pool with a holder index (its queue's ``gate``): a
+    block that holds a reference, or that a live request lists, is not queued free by
+    anything but the pool's guarded frees, while its ``free_blocks`` is kvqueue's guard;
+    O(len(blocks)) a batch."""
+
+    __slots__ = ("freeing", "index", "pool")
+
+    def __init__(self, pool: Any, index: _index.Index) -> None:
+        self.pool = weakref.ref(pool)
+        self.index = index
+        self.freeing = 0  # the pool's guarded frees under way
+
+    def __call__(self, method: str, blocks: Any) -> Any:
+        if self.freeing:
+            return blocks
+        index = self.index
+        counts = index.counts
+        pool_blocks = index.blocks
+        size = len(counts)
+        for block in blocks:
+            block_id = getattr(block, "block_id", None)
+            if type(block_id) is int and 0 <= block_id < size and pool_blocks[block_id] is block:
+                refs = getattr(block, "ref_cnt", 0)
+                if counts[block_id] or (type(refs) is int and refs > 0):
+                    return self._stopped(method, blocks)
+        return blocks
+
+    def _stopped(self, method: str, blocks: Any) -> Any:
+        pool = self.pool()
+        found = None if pool is None else _guard_of(pool)
+        if found is None:  # the guard is off: vLLM's queue as it is
+            return blocks
+        return _audit.enter(pool, method, blocks, self.index, found[1])
+
+
+def door(pool: Any, index: _index.Index) -> None:
+    """Give ``pool``'s queue (kvqueue's, without a gate) the free list's entry check, if
+    the pool's ``free_blocks`` is kvqueue's guard."""
+    queue: Any = getattr(pool, "free_block_queue", None)
+    if _guard_of(pool) is not None and getattr(queue, "gate", _MISSING) is None:
+        queue.gate = _Door(pool, index)
 
 
 def _once_guard(made: _Guard, line: Any) -> Callable[..., Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .._policy import AUDIT_MISUSES, PoolMisuse
 
-__all__ = ("AUDIT_HOOK", "CORRECTED", "GUARDED", "KINDS")
+__all__ = ("AUDIT_HOOK", "CORRECTED", "ENTRY", "GUARDED", "KINDS")
 
 #: The guarded ``BlockPool`` methods, in the order a request meets them, each with the
 #: misuses its rule refuses (``"raise"``) or repairs (``"repair"``).
@@ -24,8 +24,14 @@ GUARDED: dict[str, tuple[PoolMisuse, ...]] = {
 #: The ``KVCacheManager`` method the holder audit runs in: the first the scheduler calls in a
 #: step, before any block is counted free for a request or handed out.
 AUDIT_HOOK = "new_step_starts"
+#: The free list's entry: the methods of kvqueue's queue that link blocks, each with what its
+#: gate refuses or repairs when called by anything but a guarded free (a block that holds a
+#: reference, a block a live request lists).
+ENTRY: dict[str, tuple[PoolMisuse, ...]] = dict.fromkeys(
+    ("append", "append_n", "prepend_n"), ("held_free", "listed_free")
+)
 #: What each method can refuse or repair, the audit's hook with what the audit finds.
-KINDS: dict[str, tuple[PoolMisuse, ...]] = {**GUARDED, AUDIT_HOOK: AUDIT_MISUSES}
+KINDS: dict[str, tuple[PoolMisuse, ...]] = {**GUARDED, **ENTRY, AUDIT_HOOK: AUDIT_MISUSES}
 #: What kvqueue corrects with the guard off, on a line that counts first (vLLM 0.18-0.23):
 #: its ``free_blocks`` queues a block once per occurrence, which kvqueue's queue refuses after
 #: vLLM released every count (the block would be lost), where the guard queues it once.

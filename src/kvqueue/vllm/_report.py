@@ -63,7 +63,8 @@ _REBUILT = ("rebuilt", _registry.AUDIT_HOOK, "index_stale")
 _FREES = 4096
 _frees: collections.deque[tuple[list[Any], Any, int]] = collections.deque(maxlen=_FREES)
 _freed_total = [0]
-_PACKAGE = os.path.dirname(__file__)
+# kvqueue's own frames (the guards, the queue's pure twin calling its gate) are not callers.
+_PACKAGE = os.path.dirname(os.path.dirname(__file__))
 
 
 def pool_repairs(pool: object) -> dict[str, int]:
@@ -216,13 +217,19 @@ def where(pool: Any) -> str:
     """Which pool, and the caller of the guarded method (the code that misused it)."""
     # The first frame outside kvqueue (whose guards are the methods called) is the caller.
     frame: Any = sys._getframe(1)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE:
+    while frame is not None and _ours(frame.f_code.co_filename):
         frame = frame.f_back
     site = "unknown"
     if frame is not None:
         site = _site(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
     blocks = getattr(pool, "num_gpu_blocks", "?")
     return f"Pool: BlockPool at {id(pool):#x} ({blocks} blocks); called from {site}"
+
+
+def _ours(filename: str) -> bool:
+    return os.path.dirname(os.path.dirname(filename)) == _PACKAGE or (
+        os.path.dirname(filename) == _PACKAGE
+    )
 
 
 def _site(filename: str, line: int, function: str) -> str:
