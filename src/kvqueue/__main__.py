@@ -207,16 +207,18 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
         print(textwrap.fill(said, _WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     if plan["action"] == "install" and plan["called_by_vllm"] and settings is not None:
         policy = settings["on_misuse"] or f"{facts['environment'][_env.MISUSE_POLICY] or 'raise'}"
-        print(
-            f"  {settings['implementation']} twin, on_misuse={policy}, "
+        runs = (
+            f"{settings['implementation']} twin, on_misuse={policy}, "
             f"pool guard {'on' if settings['pool_guard'] else 'off'}, holder audit "
             + (
-                f"each step (all listings every {settings['audit_every']})"
+                f"each step (all listings every {settings['audit_every']}), the free list's "
+                "entry and exit checked against the holder index"
                 if settings["pool_guard"]
                 else "off"
             )
             + (", over others' patches" if settings["wrap_foreign"] else "")
         )
+        print(textwrap.fill(runs, _WIDTH, initial_indent="  ", subsequent_indent="    "))
     if plan["action"] in ("install", "stay_off") and plan["called_by_vllm"]:
         said = "active)" if plan["action"] == "install" else "not active, and why)"
         counters = (
