@@ -9,6 +9,7 @@ platform, which it does not need), and ``import kvqueue`` uses the pure twin.
 import importlib.util
 import platform
 import sys
+import textwrap
 
 from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
@@ -45,15 +46,18 @@ class build_ext_or_pure(build_ext):
             super().build_extension(ext)
         except (CCompilerError, BaseError) as exc:
             self._failed.append(ext)
-            print(
-                f"\nWARNING: kvqueue: the compiled queue ({ext.name}) could not be built:"
-                f" {exc}\nWARNING: kvqueue: installing the pure-Python twin only"
-                " (kvqueue.IMPLEMENTATION == 'python': the same queue, slower calls)."
-                " For the compiled one, install a C compiler and the Python headers,"
-                " then reinstall.\n",
-                file=sys.stderr,
-                flush=True,
+            # pip shows a build's output only with -v (or when it fails): the warning is for
+            # that log, each line within 100 columns as pip indents it (by two); import kvqueue
+            # warns again at run time.
+            said = (
+                f"the compiled queue ({ext.name}) could not be built, so this install has the "
+                "pure-Python twin only (kvqueue.IMPLEMENTATION == 'python': the same queue, "
+                "slower calls); for the compiled one, install a C compiler and the Python "
+                f"headers, then reinstall. The build's error: {type(exc).__name__}: {exc}"
             )
+            lines = textwrap.wrap(said, 98 - len("WARNING: kvqueue: "), break_on_hyphens=False)
+            print("", *(f"WARNING: kvqueue: {line}" for line in lines), sep="\n", file=sys.stderr)
+            sys.stderr.flush()
 
 
 class bdist_wheel_or_pure(bdist_wheel):

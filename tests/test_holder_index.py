@@ -319,7 +319,7 @@ def test_a_listed_block_is_never_handed_out(guarded_exit: Any, repair_log: Any) 
     assert _report.pool_repairs(pool)["listed_free"] == 1
     (record,) = [r for r in repair_log.records if "listed block" in r.message]
     assert f"block {block.block_id} is in the free list (ref_cnt 0) while request 'A'" in (
-        record.message
+        " ".join(record.message.split())  # the record's lines, one line again
     )
     consistent(pool)
 
@@ -469,8 +469,9 @@ def test_a_listed_block_released_by_hand_is_not_queued(
     assert block.prev_free_block is None
     assert _report.pool_repairs(pool)["listed_free"] == 1
     (record,) = [r for r in repair_log.records if "queued a held block" in r.message]
-    assert f"block {block.block_id} request 'A' (FullAttentionManager) lists" in record.message
-    assert "left out of the free list, ref_cnt 0 -> 1" in record.message
+    message = " ".join(record.message.split())  # the record's lines, one line again
+    assert f"block {block.block_id} request 'A' (FullAttentionManager) lists" in message
+    assert "left out of the free list, ref_cnt 0 -> 1" in message
     consistent(pool)
 
 

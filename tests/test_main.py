@@ -277,6 +277,7 @@ def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
         assert found["version"] == version
         assert found["verdict"].startswith(said)
         text = run(PYTHONPATH=where).stdout
-        assert f"\nvLLM {version}: {said}" in text
+        assert max(map(len, text.splitlines())) <= 100
+        assert f"\nvLLM {version}: {said}" in text.replace("\n  ", " ")
     assert f"make vllm-line-check VLLM={newer}" in found["verdict"]
     assert f"({newest.name}, proven at {newest.release})" in found["verdict"]

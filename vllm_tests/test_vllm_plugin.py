@@ -233,12 +233,21 @@ def test_kvqueue_lines_in_vllms_own_log() -> None:
     done = subprocess.run(
         [sys.executable, "-c", VLLM_LOG], env=env, capture_output=True, text=True, check=True
     )
-    lines = [
-        line
-        for line in (done.stdout + done.stderr).splitlines()
-        if "kvqueue" in line or "BlockPool" in line
-    ]
     vllm_format = r"\(MainProcess pid=\d+\) {} \d\d-\d\d \d\d:\d\d:\d\d \[{}:\d+\] "
+    prefix = re.compile(vllm_format.format(r"\w+", r"[^\]]+"))
+    # vLLM's format puts its prefix before each line of a record, kvqueue's lines at most 100
+    # columns, the lines that continue one indented: each record one line again.
+    lines: list[str] = []
+    for line in (done.stdout + done.stderr).splitlines():
+        if "kvqueue" not in line and "BlockPool" not in line:
+            continue
+        found = prefix.match(line)
+        said = line[found.end() :] if found else line
+        assert len(said) <= 100, line
+        if found and said.startswith("  ") and lines:
+            lines[-1] += " " + said.strip()
+        else:
+            lines.append(line)
     assert re.fullmatch(
         vllm_format.format("INFO", r"kvqueue/_plugin\.py")
         + r"kvqueue \S+ active on vLLM \d+\.\d+: vLLM's free block queue "

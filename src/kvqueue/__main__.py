@@ -167,20 +167,39 @@ _SAYS = {
 }
 
 
+def _say(text: str, first: str = "", more: str = "  ") -> None:
+    """One paragraph in lines of at most 100 columns (a reason that is wrapped already, as an
+    exception's message is, made one paragraph first)."""
+    print(
+        textwrap.fill(
+            " ".join(text.split()),
+            _WIDTH,
+            initial_indent=first,
+            subsequent_indent=more,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    )
+
+
 def _print(facts: dict[str, Any], problems: list[str]) -> None:
-    print(f"kvqueue {facts['kvqueue']} ({facts['location']}), Python {facts['python']}")
+    _say(f"kvqueue {facts['kvqueue']} ({facts['location']}), Python {facts['python']}")
     if facts["implementation"] is None:
         loads = f"import kvqueue: {facts['why']}"
     else:
         loads = f"import kvqueue loads: {facts['implementation']} twin ({facts['why']})"
-    print(textwrap.fill(loads, _WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+    _say(loads)
     print("environment (each vLLM process reads it as it starts, and keeps what it read):")
     for name in _env.USER:
         value = facts["environment"][name]
         setting = f"{name}={value!r}" if value is not None else f"{name} unset"
         meaning = textwrap.wrap(_env.MEANINGS[name], _WIDTH - 31)
-        print(f"  {setting:<28} {meaning[0]}")
-        for more in meaning[1:]:
+        if len(setting) > 28:
+            # A long value on lines of its own, its meaning below it in the meanings' column.
+            print(textwrap.fill(setting, _WIDTH, initial_indent="  ", subsequent_indent="    "))
+        else:
+            print(f"  {setting:<28} {meaning.pop(0)}")
+        for more in meaning:
             print(f"{'':<31}{more}")
     lines = facts["accepted_vllm_lines"]
     print(f"accepted vLLM lines: {lines[0]} to {lines[-1]} (newest patch of each proven)")
@@ -188,9 +207,9 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
     if not vllm["installed"]:
         print("vLLM: not installed")
     else:
-        print(f"vLLM {vllm['version'] or '(no distribution metadata)'}: {vllm['verdict']}")
+        _say(f"vLLM {vllm['version'] or '(no distribution metadata)'}: {vllm['verdict']}")
         allowed = vllm["VLLM_PLUGINS"]
-        print(
+        _say(
             f"vLLM: plugin entry point {'registered' if vllm['plugin_registered'] else 'missing'}"
             f"; {'VLLM_PLUGINS unset' if allowed is None else f'VLLM_PLUGINS={allowed!r}'}: "
             + ("vLLM calls" if vllm["plugin_loaded_by_vllm"] else "vLLM does not call")
@@ -201,13 +220,13 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
     if plan["action"] != "off" and vllm["installed"] and not plan["called_by_vllm"]:
         print("the plugin is not called, so it installs nothing")
     elif plan["reason"] == _NO_VLLM:
-        print(textwrap.fill(f"the plugin: {_NO_VLLM}", _WIDTH, subsequent_indent="  "))
+        _say(f"the plugin: {_NO_VLLM}")
     else:
         said = f"{_SAYS[plan['action']]}: {plan['reason']}"
-        print(textwrap.fill(said, _WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+        _say(said)
     if plan["action"] == "install" and plan["called_by_vllm"] and settings is not None:
         policy = settings["on_misuse"] or f"{facts['environment'][_env.MISUSE_POLICY] or 'raise'}"
-        runs = (
+        _say(
             f"{settings['implementation']} twin, on_misuse={policy}, "
             f"pool guard {'on' if settings['pool_guard'] else 'off'}, holder audit "
             + (
@@ -216,9 +235,10 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
                 if settings["pool_guard"]
                 else "off"
             )
-            + (", over others' patches" if settings["wrap_foreign"] else "")
+            + (", over others' patches" if settings["wrap_foreign"] else ""),
+            first="  ",
+            more="    ",
         )
-        print(textwrap.fill(runs, _WIDTH, initial_indent="  ", subsequent_indent="    "))
     if plan["action"] in ("install", "stay_off") and plan["called_by_vllm"]:
         said = "active)" if plan["action"] == "install" else "not active, and why)"
         counters = (
@@ -226,9 +246,9 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
             "kvqueue_guard_repairs_total, kvqueue_audit_findings_total, "
             f"kvqueue_queue_repairs_total; kvqueue_info: {said}"
         )
-        print(textwrap.fill(counters, _WIDTH, initial_indent="  ", subsequent_indent="    "))
+        _say(counters, first="  ", more="    ")
     for problem in problems:
-        print(textwrap.fill(f"problem: {problem}", _WIDTH, subsequent_indent="  "))
+        _say(f"problem: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ._block import is_subtype, layout_change
 from ._policy import QueueMisuse
-from ._render import describe, number, plural, times, type_name, vllm_repr
+from ._render import describe, number, plural, times, type_name, vllm_repr, wrap
 
 
 class HolderAuditError(RuntimeError):
@@ -30,7 +30,7 @@ class SettingError(SystemExit, ValueError):
 
     def __init__(self, problem: str) -> None:
         super().__init__(problem)
-        self.code = f"kvqueue: {problem}"
+        self.code = wrap(f"kvqueue: {problem}")
 
 
 # The pool guard's and the holder audit's messages. ``call``, ``block`` and ``where`` come

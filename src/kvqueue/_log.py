@@ -15,6 +15,23 @@ __all__ = ("forward_to_vllm", "logger", "on_queue_repair", "queue_repaired", "re
 
 logger = logging.getLogger("kvqueue")
 
+
+class _Wrapped(logging.Filter):
+    """Every record of kvqueue's in lines of at most 100 columns, whatever its values (a
+    block, a pool, a caller's path), before any handler formats it; never raises: a repair
+    is logged after it is made (see :func:`repaired`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with contextlib.suppress(Exception):
+            text = record.getMessage()
+            wrapped = _render.wrap(text)
+            if wrapped is not text:
+                record.msg, record.args = wrapped, None
+        return True
+
+
+logger.addFilter(_Wrapped())
+
 # At most _BURST log records per _WINDOW seconds, per process: a double-free
 # bug in an engine's hot loop repairs thousands of times a second, and each
 # repair is counted on its queue or pool whether or not it is logged.

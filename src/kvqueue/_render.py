@@ -9,6 +9,7 @@ vLLM's messages carry, built from the slots.
 
 from __future__ import annotations
 
+import textwrap
 from types import MemberDescriptorType, NoneType
 from typing import Any
 
@@ -27,6 +28,8 @@ _REPR_FIELDS_034 = ("block_id", "ref_cnt", "block_hash", "block_hash_num_tokens"
 _REPR_LINKS = ("prev_free_block", "next_free_block")
 # A hash longer than any vLLM makes is not printed whole.
 _HASH_BOUND = 1024
+#: The widest line of a message of kvqueue's, with what a traceback prints before its first.
+WIDTH = 100
 
 
 def number(n: int) -> str:
@@ -131,6 +134,30 @@ def _shown(value: Any, as_repr: bool) -> str | None:
     if as_repr and cls is bytes and len(value) <= _HASH_BOUND:
         return bytes.__repr__(value)
     return None
+
+
+def wrap(text: str, lead: int = 0) -> str:
+    """``text`` in lines of at most :data:`WIDTH` columns, the first after ``lead`` columns
+    that something else prints before it (an exception's type); a paragraph's further lines
+    indented by two, its own line breaks kept. ``text`` itself when every line fits already.
+    A word longer than a line (a path) is not broken."""
+    first = WIDTH - lead
+    if all(len(line) <= (first if n == 0 else WIDTH) for n, line in enumerate(text.split("\n"))):
+        return text
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        indent = " " * max(lead, 0)
+        wrapped = textwrap.wrap(
+            paragraph,
+            WIDTH,
+            initial_indent=indent,
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        lines += [wrapped[0][len(indent) :], *wrapped[1:]] if wrapped else [""]
+        lead = 0
+    return "\n".join(lines)
 
 
 def type_name(cls: type) -> str:

@@ -71,10 +71,14 @@ def named(implementation: str) -> Twin:
         try:
             return _compiled()
         except ImportError as exc:
-            raise ImportError(
+            from . import _render
+
+            why = (
                 f"kvqueue's compiled queue is not available ({exc}); "
                 "use install('python') or install('auto')"
-            ) from exc
+            )
+
+            raise ImportError(_render.wrap(why, len("ImportError: "))) from exc
     if implementation == "python":
         return _pure("named")
     raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {implementation!r}")

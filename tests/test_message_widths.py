@@ -1,0 +1,250 @@
+"""Every line of every message kvqueue raises, logs or prints fits in 100 columns, rendered
+with values as long as a real deployment gives them: a block of a million-block pool, a pool
+at a 64-bit address, a caller deep in an installed vLLM, a request's id, five holders.
+An exception's first line is measured as a traceback prints it, after its type; a log
+record's lines as kvqueue hands them to the handlers (a handler's format may put its own
+prefix before each, as vLLM's does)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import traceback
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from kvqueue import KVCacheBlock, _errors, _log, _policy, _twin
+from kvqueue.vllm import _audit, _lines, _report
+
+WIDTH = 100
+# A caller as _report names it: an installed vLLM's module, a high line, a long function.
+CALLER = (
+    "/opt/conda/envs/serving/lib/python3.11/site-packages/vllm/v1/core/"
+    "single_type_kv_cache_manager.py"
+)
+REQUEST = "cmpl-0f3c9a7e5b2d4c18a6e9f0b1d2c3e4f5-0"
+HOLDERS = [("FullAttentionManager", f"{REQUEST[:-1]}{n}") for n in range(5)]
+
+
+class BlockPool:
+    """A pool as the messages see it: its address and its size."""
+
+    num_gpu_blocks = 1_048_576
+    free_block_queue = None
+
+
+def _from_vllm(pool: Any, read: Callable[[Any], str]) -> str:
+    """``read(pool)`` called from code that sits where vLLM's caller would (file and line)."""
+    source = "\n" * 1233 + "def remove_skipped_blocks(pool, read):\n    return read(pool)\n"
+    scope: dict[str, Any] = {}
+    exec(compile(source, CALLER, "exec"), scope)
+    return str(scope["remove_skipped_blocks"](pool, read))
+
+
+POOL = BlockPool()
+WHERE = _from_vllm(POOL, _report.where)
+BLOCK = _report.named(KVCacheBlock(1_048_575))
+CALL = _report.call("get_new_blocks")
+RELEASED = f"It was last released by a free called from {WHERE.partition('from ')[2]}. "
+
+
+def _held(refs: int) -> KVCacheBlock:
+    block = KVCacheBlock(1_048_575)
+    block.ref_cnt = refs
+    return block
+
+
+WHAT = [_audit._what(kind, _held(3), HOLDERS) for kind in _policy.AUDIT_MISUSES]
+
+# Every message of _errors that kvqueue words (vLLM's own, word for word, are vLLM's).
+RAISED: dict[str, Callable[[], BaseException]] = {
+    "double_free": lambda: _errors.double_free(CALL, BLOCK, 2, 1, False, WHERE),
+    "double_free_listed": lambda: _errors.double_free(CALL, BLOCK, 2, 0, True, WHERE),
+    "stray_block": lambda: _errors.stray_block(CALL, BLOCK, "another pool", 1, 2, WHERE),
+    "ref_not_an_integer": lambda: _errors.ref_not_an_integer(CALL, BLOCK, "1", WHERE),
+    "touch_negative": lambda: _errors.touch_negative(CALL, BLOCK, -1, WHERE),
+    "held_handed_out": lambda: _errors.held_handed_out(CALL, BLOCK, 2, WHERE),
+    "held_stuck": lambda: _errors.held_stuck(CALL, BLOCK, 2, WHERE),
+    "audit_bad_count": lambda: _errors.audit_bad_count(BLOCK, 1.5, WHERE),
+    **{
+        f"audit_finding_{n}": functools.partial(_errors.audit_finding, BLOCK, what, RELEASED, WHERE)
+        for n, what in enumerate(WHAT)
+    },
+    "listed_handed_out": lambda: _errors.listed_handed_out(CALL, BLOCK, WHAT[0], RELEASED, WHERE),
+    "foreign_patch": lambda: _errors.foreign_patch(
+        "vllm.v1.core.block_pool.BlockPool.free_blocks is not vLLM's: it was replaced by "
+        "vllm_ascend.patch.worker.patch_common.patch_block_pool.free_blocks",
+        "wraps that patch: kvqueue's guard runs first, then the patch",
+    ),
+    "not_this_line": lambda: _errors.not_this_line(
+        "0.33.0", "0.33", "BlockPool.free_blocks has a parameter kvqueue does not know"
+    ),
+    "not_accepted": lambda: _errors.not_accepted(_lines.accepted(), "vLLM 0.17.1", ""),
+    "not_accepted_older": lambda: _errors.not_accepted(
+        _lines.accepted(), "vLLM 0.17.1", f" ({_lines.OLDER})"
+    ),
+    "no_line_has": lambda: _errors.no_line_has("0.35.0rc1.dev12+g0123abcd", "a" * 60),
+    "not_a_block": lambda: _errors.not_a_block(
+        object(), KVCacheBlock, "FreeKVCacheBlockQueue.iter_blocks_after()"
+    ),
+    "corrupted": lambda: _errors.corrupted("iter_blocks_after", object()),
+    **{
+        f"misuse_{kind}": functools.partial(_errors.misuse, "prepend_n", kind, KVCacheBlock(7))
+        for kind in _policy.QUEUE_MISUSES
+        if kind != "not_linked"  # vLLM's message, with vLLM's repr of the block
+    },
+    "too_long": lambda: _errors.too_long(1_048_576),
+    "too_many": lambda: _errors.too_many(1_048_577, 1_048_576),
+    "uncopyable": lambda: TypeError(_errors.UNCOPYABLE),
+}
+
+
+def _too_wide(text: str) -> list[str]:
+    return [line for line in text.splitlines() if len(line) > WIDTH]
+
+
+# Not yet: the pool guard's and the audit's messages end with the pool and the caller (over
+# 100 columns on their own), and this suite and vllm_tests/ match those messages on one line.
+FITTING = {"misuse_sentinel", "misuse_other_pool", "too_many"}
+ONE_LINE = pytest.mark.xfail(reason="one line each until their tests match them wrapped")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=() if name in FITTING else ONE_LINE) for name in RAISED]
+)
+def test_each_exception_fits_as_a_traceback_prints_it(name: str) -> None:
+    exc = RAISED[name]()
+    shown = "".join(traceback.format_exception_only(type(exc), exc))
+    assert not _too_wide(shown), shown
+
+
+def test_a_missing_compiled_twin_is_said_in_lines_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing() -> None:
+        raise ImportError("No module named 'kvqueue._queue'")
+
+    monkeypatch.setattr(_twin, "_compiled", missing)
+    with pytest.raises(ImportError) as raised:
+        _twin.named("cython")
+    shown = "".join(traceback.format_exception_only(ImportError, raised.value))
+    assert not _too_wide(shown), shown
+
+
+def test_a_bad_setting_is_said_in_lines_that_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvqueue import _env
+
+    problems = []
+    for name, value in [(_env.AUDIT_EVERY, "16384"), (_env.MISUSE_POLICY, "Repair")]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"^{name} must be one of ") as raised:
+            _env.choice(name, _env.EVERY if name == _env.AUDIT_EVERY else _env.FLAG, None)
+        problems.append(str(raised.value))
+    code = _errors.SettingError("; ".join(problems)).code
+    assert isinstance(code, str)
+    assert not _too_wide(code), code
+
+
+@contextlib.contextmanager
+def _records() -> Iterator[list[logging.LogRecord]]:
+    """Every record the ``kvqueue`` logger hands its handlers, whatever the rate limit left."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep(logging.DEBUG)
+    saved = _log.logger.level, _log._window_start
+    _log.logger.addHandler(keep)
+    _log.logger.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        _log.logger.removeHandler(keep)
+        _log.logger.setLevel(saved[0])
+
+
+def _assert_fit(records: list[logging.LogRecord], count: int) -> None:
+    assert len(records) == count
+    for record in records:
+        message = record.getMessage()
+        assert not _too_wide(message), message
+
+
+def test_a_queues_repair_is_logged_in_lines_that_fit(
+    queue_mod: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_log, "_window_start", float("-inf"))
+    pool = object()
+    blocks = [KVCacheBlock(1_048_570 + i, pool=pool) for i in range(4)]
+    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+    taken = queue.popleft()
+    with _records() as records:
+        queue.remove(taken)
+        queue.append_n([blocks[1]])
+        queue.prepend_n([KVCacheBlock(1_048_575, pool=object())])
+    _assert_fit(records, 3)
+
+
+def test_the_pool_guards_repairs_are_logged_in_lines_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_log, "_window_start", float("-inf"))
+    kinds: tuple[_policy.PoolMisuse, ...] = ("double_free", "negative_ref", "held_free")
+    notes = [(CALL, kind, 1_000_000, BLOCK, _policy.REPAIRED[kind], POOL) for kind in kinds]
+    with _records() as records:
+        _from_vllm(notes, _report.log_notes)  # type: ignore[arg-type]
+    _assert_fit(records, len(kinds))
+
+
+def test_the_audits_repairs_and_a_stale_index_are_logged_in_lines_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_log, "_window_start", float("-inf"))
+
+    class Manager:
+        def __init__(self) -> None:
+            self.req_to_blocks: dict[str, list[KVCacheBlock]] = {r: [] for _, r in HOLDERS}
+
+    class StaleIndex:
+        def rebuild(self) -> bool:
+            return True
+
+    block, manager = _held(0), Manager()
+    for _, request in HOLDERS:
+        manager.req_to_blocks[request].append(block)
+    found = [(kind, block) for kind in _policy.AUDIT_MISUSES]
+    with _records() as records:
+        # Partials, not lambdas: no frame of this file's between the caller and kvqueue.
+        repair = functools.partial(_audit._found, managers=[manager], found=found, policy="repair")
+        _from_vllm(POOL, repair)  # type: ignore[arg-type]
+        _from_vllm(POOL, functools.partial(_audit._rebuilt, index=StaleIndex()))  # type: ignore[arg-type]
+    _assert_fit(records, len(found) + 1)
+
+
+def test_any_record_of_kvqueues_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a new log line will say is not known here: the logger wraps whatever it is."""
+    monkeypatch.setattr(_log, "_window_start", float("-inf"))
+    with _records() as records:
+        _log.logger.warning("kvqueue stays off (%s=auto): %s", "KVQUEUE_VLLM", WHERE * 3)
+        _log.repaired("%s repaired something new: %s", CALL, WHERE * 3)
+    _assert_fit(records, 2)
+    assert " ".join(records[0].getMessage().split()).endswith(" ".join((WHERE * 3).split()))
+
+
+def test_python_m_kvqueue_prints_lines_that_fit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvqueue import __main__
+
+    monkeypatch.setenv("KVQUEUE_VLLM", "cython-please-with-a-long-value")
+    monkeypatch.setenv("KVQUEUE_AUDIT_EVERY", "sixty-four-steps-between-full-reads")
+    monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
+    assert __main__.main([]) == 1
+    out = capsys.readouterr().out
+    assert not _too_wide(out), out
