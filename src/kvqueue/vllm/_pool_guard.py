@@ -319,7 +319,7 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             blocks,
             args,
             kwargs,
-            lambda call: _rules.free(self, blocks, line, made.name, made.policy, _guard_of, call),
+            lambda call: _free(made, line, self, blocks, call),
         )
 
     return _adapter(made, line, free)
@@ -428,12 +428,18 @@ _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
 }
 
 
-def _guard_of(pool: Any) -> tuple[ModuleType, PoolPolicy] | None:
-    """The screen and policy of ``pool``'s own ``free_blocks`` guard, if it is kvqueue's."""
-    made = _ours(_block.lookup(type(pool), "free_blocks"))
-    if made is None or made.retired:
-        return None
-    return made.screen, made.policy
+def _free(
+    made: _Guard, line: Any, pool: Any, blocks: list[Any], call: Callable[[list[Any]], Any]
+) -> Any:
+    """The free rule of what the screen flagged, handed the guard of each other pool the
+    free gives blocks to (the rules never look a guard up)."""
+    plan = _rules.FreePlan(pool, blocks, line, made.name)
+    others: list[_rules.Other] = []
+    for owner, group in plan.others.values():
+        theirs = _ours(_block.lookup(type(owner), "free_blocks"))
+        if theirs is not None and not theirs.retired:
+            others.append((owner, group, theirs.screen, theirs.policy))
+    return _rules.free(pool, plan, line, made.name, made.policy, others, call)
 
 
 def _slow(
