@@ -55,12 +55,12 @@ section() { step="$1"; printf '== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
 # The fuzz programs as the suite runs them, fewer operations under valgrind.
 fuzz_runs() {  # $1: operations per program
-    for twin in c py; do
+    for twin in cython python; do
         echo "isolated.fuzz_chaos $twin 0 $1"
         echo "isolated.fuzz_reentrant $twin 0 $1"
         echo "isolated.fuzz_guard $twin 0 $1"
     done
-    echo "isolated.fuzz_diff c 0 $1"
+    echo "isolated.fuzz_diff cython 0 $1"
     echo "isolated.guard_switch $1"
 }
 
@@ -98,7 +98,7 @@ done < <(fuzz_runs $((full ? 3000 : 400)))
 if ((full)); then
     vg "$PY" -m pytest -q -p no:cacheprovider tests
 else
-    vg "$PY" -m pytest -q -p no:cacheprovider -m c_extension \
+    vg "$PY" -m pytest -q -p no:cacheprovider -m cython \
         tests/test_invalid.py tests/test_policy.py::test_invalid_operation_under_each_policy \
         tests/test_hostile.py tests/test_screen.py tests/test_pool_guard.py
 fi

@@ -162,7 +162,7 @@ log "sdist install with KVQUEUE_PURE=1"
 new_venv "$PURE_PY" "$WORK/venv-pure"
 KVQUEUE_PURE=1 "$WORK/venv-pure/bin/python" -m pip install -q --no-deps "$SDIST"
 # A pure install on CPython warns at import unless the pure twin is chosen.
-KVQUEUE_PURE=1 run_suite "$WORK/venv-pure" python --no-c-extensions
+KVQUEUE_PURE=1 run_suite "$WORK/venv-pure" python --no-cython
 
 log "sdist install with no working compiler (CC=false)"
 new_venv "$PURE_PY" "$WORK/venv-nocc"
@@ -184,7 +184,7 @@ PY
 "$WORK/venv-nocc/bin/python" -c "import kvqueue" 2>&1 \
     | grep -q "RuntimeWarning: kvqueue: the compiled queue is not available" \
     || die "CC=false: import kvqueue did not warn that the compiled queue is missing"
-KVQUEUE_PURE=1 run_suite "$WORK/venv-nocc" python --no-c-extensions
+KVQUEUE_PURE=1 run_suite "$WORK/venv-nocc" python --no-cython
 
 log "done"
 echo "wheels: OK: $(cd "$OUT" && ls kvqueue-* x86_64/kvqueue-* | tr '\n' ' ')"

@@ -1,8 +1,8 @@
-"""One suite, both twins: the ``queue_mod`` fixture runs a test once per twin."""
+"""One suite, both twins: the ``implementation`` fixture, and every fixture read from it
+(``queue_mod``, ``screen``), runs a test once per twin."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 from types import ModuleType
 from typing import Any
@@ -11,52 +11,52 @@ import pytest
 
 from kvqueue import _log
 
-from support.twins import TWINS, twin
+from support.twins import NAMES, Facade, facade
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--no-c-extensions",
+        "--no-cython",
         action="store_true",
         default=False,
-        help="Run the tests of the pure-Python twin only",
+        help="Run the tests of the python twin only",
     )
 
 
 @pytest.fixture(
     scope="session",
     params=[
-        pytest.param(key, id=key, marks=[pytest.mark.c_extension] if key == "c" else [])
-        for key in TWINS
+        pytest.param(name, id=name, marks=[pytest.mark.cython] if name == "cython" else [])
+        for name in NAMES
     ],
 )
-def queue_mod(request: pytest.FixtureRequest) -> ModuleType:
-    """The twin under test."""
-    return twin(request.param)
+def implementation(request: pytest.FixtureRequest) -> Facade:
+    """The twin under test: every fixture of a twin is read from it."""
+    return facade(request.param)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("kvqueue.vllm._screen", id="c", marks=pytest.mark.c_extension),
-        pytest.param("kvqueue.vllm._screen_py", id="py"),
-    ],
-)
-def screen(request: pytest.FixtureRequest) -> ModuleType:
-    """The pool guard's screens under test, both twins."""
-    return importlib.import_module(request.param)
+@pytest.fixture(scope="session")
+def queue_mod(implementation: Facade) -> ModuleType:
+    """The twin's queue module."""
+    return implementation.queue
+
+
+@pytest.fixture(scope="session")
+def screen(implementation: Facade) -> ModuleType:
+    """The twin's screens of the pool guard."""
+    return implementation.screen
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getoption("--no-c-extensions"):
+    if not config.getoption("--no-cython"):
         return
-    kept = [item for item in items if not item.get_closest_marker("c_extension")]
+    kept = [item for item in items if not item.get_closest_marker("cython")]
     config.hook.pytest_deselected(items=[item for item in items if item not in kept])
     items[:] = kept
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "c_extension: needs the compiled twin")
+    config.addinivalue_line("markers", "cython: needs the cython twin")
 
 
 @pytest.fixture

@@ -94,7 +94,7 @@ def test_a_later_block_whose_class_overrides_the_layout_is_refused(
     check_queue(queue, blocks, blocks)
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 @pytest.mark.parametrize("cls", OVERRIDES, ids=lambda cls: cls.__name__)
 def test_both_twins_refuse_a_subclass_in_the_same_words(cls: type) -> None:
     messages = []

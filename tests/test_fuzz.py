@@ -31,16 +31,16 @@ TIMEOUT = 1800 if LONG else 120
 
 CASES = [
     # fuzz_diff runs both twins against each other, so it needs the compiled one.
-    pytest.param("fuzz_diff", "c", id="diff", marks=pytest.mark.c_extension),
-    pytest.param("fuzz_reentrant", "c", id="reentrant-c", marks=pytest.mark.c_extension),
-    pytest.param("fuzz_reentrant", "py", id="reentrant-py"),
-    pytest.param("fuzz_chaos", "c", id="chaos-c", marks=pytest.mark.c_extension),
-    pytest.param("fuzz_chaos", "py", id="chaos-py"),
-    pytest.param("fuzz_threads", "c", id="threads-c", marks=pytest.mark.c_extension),
-    pytest.param("fuzz_threads", "py", id="threads-py"),
-    pytest.param("fuzz_race", "c", id="race-c", marks=pytest.mark.c_extension),
-    pytest.param("fuzz_guard", "c", id="guard-c", marks=pytest.mark.c_extension),
-    pytest.param("fuzz_guard", "py", id="guard-py"),
+    pytest.param("fuzz_diff", "cython", id="diff", marks=pytest.mark.cython),
+    pytest.param("fuzz_reentrant", "cython", id="reentrant-cython", marks=pytest.mark.cython),
+    pytest.param("fuzz_reentrant", "python", id="reentrant-python"),
+    pytest.param("fuzz_chaos", "cython", id="chaos-cython", marks=pytest.mark.cython),
+    pytest.param("fuzz_chaos", "python", id="chaos-python"),
+    pytest.param("fuzz_threads", "cython", id="threads-cython", marks=pytest.mark.cython),
+    pytest.param("fuzz_threads", "python", id="threads-python"),
+    pytest.param("fuzz_race", "cython", id="race-cython", marks=pytest.mark.cython),
+    pytest.param("fuzz_guard", "cython", id="guard-cython", marks=pytest.mark.cython),
+    pytest.param("fuzz_guard", "python", id="guard-python"),
 ]
 
 
@@ -70,7 +70,7 @@ def test_fuzz_program(program: str, twin: str, seed: int) -> None:
         assert min(stats["repairs"], stats["refused"], stats["finalizers"]) > 0
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 @pytest.mark.parametrize("run", range(3))
 def test_guard_switch_under_load_does_not_crash(run: int) -> None:
     """A guard replaced while another thread calls it was freed inside the

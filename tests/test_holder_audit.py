@@ -6,8 +6,10 @@ The real ``Scheduler`` of every line is vllm_tests/test_holder_audit.py's.
 
 from __future__ import annotations
 
+import _thread
 import random
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
@@ -274,6 +276,21 @@ def test_raise_names_the_guarded_free_that_released_the_block(queue_mod: ModuleT
     released = str(caught.value).split("It was last released by a free called from ")[1]
     site = f"tests/test_holder_audit.py:{line} in test_raise_names_the_guarded_free_that"
     assert released.split(". ")[0].endswith(site + "_released_the_block")
+
+
+def test_a_free_no_python_code_called_is_kept_from_an_unknown_site(queue_mod: ModuleType) -> None:
+    """A guarded free that is a thread's own target has no caller above kvqueue's frames."""
+    with guarded(queue_mod, NEWEST) as cls:
+        pool = make_pool(cls, queue_mod, 8, "raise")
+        queue = pool.free_block_queue
+        free = queue.num_free_blocks
+        taken = pool.get_new_blocks(2)
+        _thread.start_new_thread(pool.free_blocks, (taken,))
+        deadline = time.monotonic() + 10
+        while queue.num_free_blocks < free and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert queue.num_free_blocks == free
+    assert _report.last_freed(taken[0]) == "unknown"
 
 
 def test_repair_keeps_the_block_with_its_holder(queue_mod: ModuleType, repair_log: Any) -> None:

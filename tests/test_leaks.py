@@ -27,6 +27,7 @@ import pytest
 
 from kvqueue import KVCacheBlock
 
+from support import twins
 from support.blocks import SubBlock, VllmStyleBlock
 
 LONG = os.environ.get("KVQUEUE_CI_FUZZ_LONG", "") not in ("", "0")
@@ -44,12 +45,8 @@ def _cycles(twin: str, traced: bool) -> int:
     if LONG:
         return 1_000_000
     if traced:  # tracemalloc makes each allocation several times slower
-        return 100_000 if twin == "c" else 20_000
-    return 1_000_000 if twin == "c" else 200_000
-
-
-def _twin_name(queue_mod: ModuleType) -> str:
-    return "c" if queue_mod.__name__ == "kvqueue._queue" else "py"
+        return 100_000 if twin == "cython" else 20_000
+    return 1_000_000 if twin == "cython" else 200_000
 
 
 def _expect_failure(call: Callable[[], object]) -> None:
@@ -119,12 +116,12 @@ def _run_cycles(queue_mod: ModuleType, cycles: int) -> None:
 
 
 def test_allocate_free_cycles_leave_counts_flat(queue_mod: ModuleType) -> None:
-    _run_cycles(queue_mod, _cycles(_twin_name(queue_mod), traced=False))
+    _run_cycles(queue_mod, _cycles(twins.of(queue_mod).name, traced=False))
 
 
 @pytest.mark.usefixtures("traced")
 def test_allocate_free_cycles_leave_traced_memory_flat(queue_mod: ModuleType) -> None:
-    _run_cycles(queue_mod, _cycles(_twin_name(queue_mod), traced=True))
+    _run_cycles(queue_mod, _cycles(twins.of(queue_mod).name, traced=True))
 
 
 class _Formatted(logging.Handler):

@@ -44,7 +44,7 @@ def test_help() -> None:
     assert "``" not in done.stdout  # the docstring's reST markup
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_says_which_twin_and_why() -> None:
     assert report()["implementation"] == "cython"
     pure = report(KVQUEUE_PURE="1")

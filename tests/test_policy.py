@@ -203,7 +203,7 @@ def test_an_unknown_argument_is_refused(
     assert detached(blocks)
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_both_twins_refuse_a_policy_with_the_same_message(monkeypatch: pytest.MonkeyPatch) -> None:
     def refusals(mod: ModuleType) -> list[str]:
         messages = []
@@ -370,7 +370,7 @@ class _FreeOnCollect:
         self.taken.append(self.queue.popleft())
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 @pytest.mark.parametrize("method", ["append_n", "prepend_n"])
 def test_a_collection_inside_a_repaired_batch_keeps_the_compiled_queue_whole(
     method: str, repair_log: pytest.LogCaptureFixture
@@ -379,7 +379,7 @@ def test_a_collection_inside_a_repaired_batch_keeps_the_compiled_queue_whole(
     hostile_cases.py); a repair allocates (its screening copy of the batch)
     before it links, so the collector can run a finalizer there that moves the
     ends of the list. 3.11 collects at the allocation itself."""
-    mod = twin("c")
+    mod = twin("cython")
     blocks = [KVCacheBlock(i) for i in range(40)]
     queue = mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
     call = getattr(queue, method)  # a bound method is an allocation: made first
@@ -403,7 +403,7 @@ def test_a_collection_inside_a_repaired_batch_keeps_the_compiled_queue_whole(
         assert all(b.prev_free_block is not None or any(b is t for t in taken) for b in popped)
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_both_twins_log_a_repair_in_the_same_words(repair_log: pytest.LogCaptureFixture) -> None:
     for kind in KINDS:
         for mod in both():

@@ -555,7 +555,7 @@ class _Recording(type):
         super().__setattr__(name, value)
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_switching_twins_never_puts_vllms_method_back(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvqueue.vllm as kv_vllm
 
@@ -667,18 +667,6 @@ class _SwitchOnTruth:
     def __bool__(self) -> bool:
         self.block.__class__ = _Switched
         return False
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("kvqueue.vllm._screen", id="c", marks=pytest.mark.c_extension),
-        pytest.param("kvqueue.vllm._screen_py", id="py"),
-    ],
-)
-def screen(request: pytest.FixtureRequest) -> ModuleType:
-    import importlib
-
-    return importlib.import_module(request.param)
 
 
 def test_a_class_switched_mid_screen_is_read_as_switched(screen: ModuleType) -> None:

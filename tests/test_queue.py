@@ -443,7 +443,7 @@ def test_num_free_blocks_refuses_a_non_integer(queue_mod: ModuleType, bad: objec
     assert queue.num_free_blocks == 3
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_both_twins_treat_an_assigned_count_the_same() -> None:
     compiled, pure = both()
     assert _assigned_count_story(compiled) == _assigned_count_story(pure)

@@ -38,12 +38,12 @@ def run_both(code: str, **env: str) -> tuple[str, str]:
     return done.stdout.strip(), done.stderr.strip()
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_compiled_twin_is_preferred() -> None:
     assert run(PROBE) == "cython kvqueue._queue"
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 @pytest.mark.parametrize("value", ["", "0"])
 def test_pure_flag_off_values(value: str) -> None:
     assert run(PROBE, KVQUEUE_PURE=value) == "cython kvqueue._queue"

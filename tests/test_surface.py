@@ -23,7 +23,7 @@ from support.helpers import check_queue, snapshot
 from support.twins import both as both_twins
 
 # The tests that compare the two twins side by side need the compiled one.
-both = pytest.mark.c_extension
+both = pytest.mark.cython
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,7 @@ def test_idempotent_and_reversible(fake: FakeVllm, queue_mod: ModuleType) -> Non
     assert fake.bindings() == (first, first)
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_switch_implementation(fake: FakeVllm) -> None:
     from kvqueue import _queue, _queue_py
 
@@ -261,7 +261,7 @@ def test_patched_context_manager(fake: FakeVllm, queue_mod: ModuleType) -> None:
     assert kv_vllm.status()["implementation"] is None
 
 
-@pytest.mark.c_extension
+@pytest.mark.cython
 def test_patched_keeps_an_earlier_install(fake: FakeVllm) -> None:
     kv_vllm.install("python")
     with kv_vllm.patched("cython"):

@@ -164,10 +164,10 @@ class Chaos:
         self.rng = random.Random(seed)
         self.mod = twin(twin_name)
         try:  # queues of the other twin share the blocks
-            self.other = twin("py" if twin_name == "c" else "c")
+            self.other = twin("python" if twin_name == "cython" else "cython")
         except ImportError:  # a pure build has no compiled twin to mix in
             self.other = self.mod
-        self.strict = twin_name == "c"
+        self.strict = twin_name == "cython"
         self.blocks: list[Any] = []
         self.queues: list[Any] = []
         self.cursors: list[Iterator[Any]] = []

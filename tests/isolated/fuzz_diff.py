@@ -217,7 +217,7 @@ class Programs:
 
 def program(_: str, seed: int, ops: int) -> Stats:
     oracle = World(Oracle(KVCacheBlock))
-    twins = [World(twin("c")), World(twin("py"))]
+    twins = [World(twin("cython")), World(twin("python"))]
     programs = Programs(random.Random(seed), oracle)
     for op in setup(programs):
         for world in (oracle, *twins):

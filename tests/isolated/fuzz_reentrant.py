@@ -120,7 +120,7 @@ def _arm(cycles: int) -> list[Any]:
 def program(twin_name: str, seed: int, ops: int) -> Stats:
     RNG.seed(seed)
     mod = twin(twin_name)
-    strict = twin_name == "c"
+    strict = twin_name == "cython"
     rng = random.Random(seed + 1)
     pool: list[Any] = []
     cursors: list[Any] = []

@@ -29,9 +29,9 @@ def main() -> None:
     logger.propagate = False
     of = line("0.33")
     cls = pool_class(of)
-    screens = [screen_of(twin("c")), screen_of(twin("py"))]
+    screens = [screen_of(twin("cython")), screen_of(twin("python"))]
     _pool_guard.guard(cls, screens[0], policy_of, wrap_foreign=False, line=of)
-    pool = make_pool(cls, twin("c"), 8, "repair")
+    pool = make_pool(cls, twin("cython"), 8, "repair")
     done = threading.Event()
     freed = [0]
 

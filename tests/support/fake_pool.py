@@ -9,7 +9,6 @@ so that a test can guard it and throw it away.
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,9 +18,8 @@ from typing import Any
 from kvqueue.vllm import _pool_guard
 from kvqueue.vllm._lines import LINES, Line
 
+from support import twins
 from support.blocks import VllmStyleBlock, layout
-
-SCREENS = {"kvqueue._queue": "kvqueue.vllm._screen", "kvqueue._queue_py": "kvqueue.vllm._screen_py"}
 
 
 def line(name: str) -> Line:
@@ -213,7 +211,7 @@ policy_of = _pool_guard.PoolPolicy()
 
 
 def screen_of(queue_mod: ModuleType) -> ModuleType:
-    return importlib.import_module(SCREENS[queue_mod.__name__])
+    return twins.of(queue_mod).screen
 
 
 @contextmanager

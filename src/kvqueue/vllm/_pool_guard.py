@@ -316,7 +316,7 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             blocks,
             args,
             kwargs,
-            lambda call: _rules.free(self, blocks, line, made.name, made.policy, _guard_of, call),
+            lambda call: _free(made, line, self, blocks, call),
         )
 
     def free(self: Any, blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -369,17 +369,17 @@ class _Door:
 
     def _stopped(self, method: str, blocks: Any) -> Any:
         pool = self.pool()
-        found = None if pool is None else _guard_of(pool)
-        if found is None:  # the guard is off: vLLM's queue as it is
+        made = None if pool is None else _free_guard_of(pool)
+        if made is None:  # the guard is off: vLLM's queue as it is
             return blocks
-        return _audit.enter(pool, method, blocks, self.index, found[1])
+        return _audit.enter(pool, method, blocks, self.index, made.policy)
 
 
 def door(pool: Any, index: _index.Index) -> None:
     """Give ``pool``'s queue (kvqueue's, without a gate) the free list's entry check, if
     the pool's ``free_blocks`` is kvqueue's guard."""
     queue: Any = getattr(pool, "free_block_queue", None)
-    if _guard_of(pool) is not None and getattr(queue, "gate", _MISSING) is None:
+    if _free_guard_of(pool) is not None and getattr(queue, "gate", _MISSING) is None:
         queue.gate = _Door(pool, index)
 
 
@@ -486,12 +486,24 @@ _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {
 }
 
 
-def _guard_of(pool: Any) -> tuple[ModuleType, PoolPolicy] | None:
-    """The screen and policy of ``pool``'s own ``free_blocks`` guard, if it is kvqueue's."""
+def _free_guard_of(pool: Any) -> _Guard | None:
+    """``pool``'s ``free_blocks`` guard, if it is kvqueue's and in place."""
     made = _ours(_block.lookup(type(pool), "free_blocks"))
-    if made is None or made.retired:
-        return None
-    return made.screen, made.policy
+    return None if made is None or made.retired else made
+
+
+def _free(
+    made: _Guard, line: Any, pool: Any, blocks: list[Any], call: Callable[[list[Any]], Any]
+) -> Any:
+    """The free rule of what the screen flagged, handed the guard of each other pool the
+    free gives blocks to (the rules never look a guard up)."""
+    plan = _rules.FreePlan(pool, blocks, line, made.name)
+    others: list[_rules.Other] = []
+    for owner, group in plan.others.values():
+        theirs = _free_guard_of(owner)
+        if theirs is not None:
+            others.append((owner, group, theirs.screen, theirs.policy))
+    return _rules.free(pool, plan, line, made.name, made.policy, others, call)
 
 
 def _slow(

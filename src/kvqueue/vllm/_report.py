@@ -63,8 +63,9 @@ _REBUILT = ("rebuilt", _registry.AUDIT_HOOK, "index_stale")
 _FREES = 4096
 _frees: collections.deque[tuple[list[Any], Any, int]] = collections.deque(maxlen=_FREES)
 _freed_total = [0]
-# kvqueue's own frames (the guards, the queue's pure twin calling its gate) are not callers.
-_PACKAGE = os.path.dirname(os.path.dirname(__file__))
+# kvqueue's own: the guard, its rules, the audit, this module and the queue's pure twin calling
+# its gate, the frames between a checked call and the code that made it.
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
 def pool_repairs(pool: object) -> dict[str, int]:
@@ -176,8 +177,11 @@ def log_notes(notes: list[Note]) -> None:
 
 def freed(blocks: list[Any]) -> None:
     """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`."""
-    frame = sys._getframe(3)  # past the guard's rule and its adapter
-    _frees.append((blocks, frame.f_code, frame.f_lineno))
+    frame = _caller()
+    if frame is None:  # no Python code called it (a thread's target)
+        _frees.append((blocks, None, 0))
+    else:
+        _frees.append((blocks, frame.f_code, frame.f_lineno))
     _freed_total[0] += 1
 
 
@@ -198,7 +202,7 @@ def last_freed(block: object) -> str | None:
     """Where the last guarded free of ``block`` that is still kept was called, or None."""
     for blocks, code, line in reversed(_frees):
         if any(found is block for found in blocks):
-            return _site(code.co_filename, line, code.co_name)
+            return "unknown" if code is None else _site(code.co_filename, line, code.co_name)
     return None
 
 
@@ -215,10 +219,7 @@ def call(method: str) -> str:
 
 def where(pool: Any) -> str:
     """Which pool, and the caller of the guarded method (the code that misused it)."""
-    # The first frame outside kvqueue (whose guards are the methods called) is the caller.
-    frame: Any = sys._getframe(1)
-    while frame is not None and _ours(frame.f_code.co_filename):
-        frame = frame.f_back
+    frame = _caller()
     site = "unknown"
     if frame is not None:
         site = _site(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
@@ -226,10 +227,14 @@ def where(pool: Any) -> str:
     return f"Pool: BlockPool at {id(pool):#x} ({blocks} blocks); called from {site}"
 
 
-def _ours(filename: str) -> bool:
-    return os.path.dirname(os.path.dirname(filename)) == _PACKAGE or (
-        os.path.dirname(filename) == _PACKAGE
-    )
+def _caller() -> Any:
+    """The code that called the guarded method: the first frame outside kvqueue's guard
+    (None: the stack holds no other). Walked, not counted: how many of kvqueue's frames lie
+    between differs by method, rule and line."""
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return frame
 
 
 def _site(filename: str, line: int, function: str) -> str:

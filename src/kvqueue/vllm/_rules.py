@@ -39,7 +39,9 @@ __all__ = ("FreePlan", "alloc", "free", "in_pool", "once_each", "ref_count", "to
 # pool guard's (``_pool_guard.PoolPolicy``): a pool's policy, asked only once a misuse is
 # found.
 Policy = Callable[[Any], str]
-GuardOf = Callable[[Any], "tuple[ModuleType, Policy] | None"]
+# Another pool that a free hands blocks to, with what its own guard screens them with:
+# (that pool, its blocks in this call, its guard's screens, its guard's policy).
+Other = tuple[Any, list[Any], ModuleType, Policy]
 
 
 class FreePlan:
@@ -133,17 +135,17 @@ def ref_count(pool: Any, method: str, block: Any) -> int:
 
 def free(
     pool: Any,
-    blocks: list[Any],
+    plan: FreePlan,
     line: Any,
     method: str,
     policy: Policy,
-    guard_of: GuardOf,
+    others: list[Other],
     call: Callable[[list[Any]], Any],
 ) -> Any:
-    """``free_blocks`` / ``unpin_blocks`` of ``blocks`` that the screen sent here: refused
+    """``free_blocks`` / ``unpin_blocks`` whose ``plan`` the screen sent here: refused
     under ``"raise"``, repaired under ``"repair"``; ``call`` is vLLM's method, given what
-    it is to free. ``guard_of``: another pool's guard (its screen and policy), or None."""
-    plan = FreePlan(pool, blocks, line, method)
+    it is to free. ``others``: the pools of ``plan.others`` that kvqueue guards, each with
+    its guard's screens and policy, as the pool guard found them."""
     if (plan.dropped or plan.linked or plan.strays) and policy(pool) == "raise":
         if plan.dropped or plan.linked:
             _raise_double_free(pool, method, plan)
@@ -151,8 +153,8 @@ def free(
     # Under their own "raise", other pools' blocks are screened before anything is freed
     # here: vLLM frees this pool's blocks first, then hands those over.
     if method == "free_blocks":
-        for owner, group in plan.others.values():
-            _screen_other(owner, group, line, guard_of)
+        for other in others:
+            _screen_other(line, *other)
     notes: list[_report.Note] = []
     queue = pool.free_block_queue
     for block in plan.linked:
@@ -200,12 +202,10 @@ def _screen_strays(pool: Any, method: str, strays: list[Any]) -> None:
         )
 
 
-def _screen_other(owner: Any, group: list[Any], line: Any, guard_of: GuardOf) -> None:
+def _screen_other(
+    line: Any, owner: Any, group: list[Any], screen: ModuleType, policy: Policy
+) -> None:
     """Raise now what ``owner``'s guard would raise when vLLM hands it ``group``."""
-    found = guard_of(owner)
-    if found is None:
-        return
-    screen, policy = found
     if policy(owner) != "raise":
         return
     if screen.first_excess(group, line.pool_ref(owner)) >= 0:
