@@ -6,7 +6,8 @@
 #   make lint             ruff, mypy, cython-lint, actionlint (the lint extra): .venv-lint-<python>
 #   make bench            the microbenchmark (bench/run.py; BENCH_ARGS=--quick: under a minute)
 #   make bench-screens    the guard's compiled screen against a baseline (bench/screens.py)
-#   make bench-audit      the holder audit's screen by blocks listed, both twins (bench/audit.py)
+#   make bench-audit      the holder audit's screen by blocks listed, both twins (bench/audit.py),
+#                         then kvqueue's cost on vLLM's scheduler by cache size (bench/scale.py)
 #   make bench-scheduler  vLLM's own scheduler per queue and pool guard (bench/scheduler.py)
 #   make bench-engine     a live vLLM engine's throughput per queue (bench/throughput.py)
 #   make vllm-tests       vLLM's own suites three ways, then vllm_tests/ against the real vLLM
@@ -108,8 +109,11 @@ bench: $(BENCH_VENV)/.ready
 bench-screens: $(BENCH_VENV)/.ready
 	$(WITH_VLLM_TESTS) $(BENCH_PY) bench/screens.py $(BENCH_ARGS)
 
+# scale.py needs vLLM: it runs in the vLLM venv, as bench-scheduler does.
 bench-audit: $(BENCH_VENV)/.ready
 	$(WITH_VLLM_TESTS) $(BENCH_PY) bench/audit.py $(BENCH_ARGS)
+	venv=$$(PYTHON311=$(PYTHON311) bash vllm_tests/venv.sh) \
+	    && $(WITH_VLLM_TESTS) "$$venv/bin/python" bench/scale.py $(BENCH_ARGS)
 
 # vLLM's own Scheduler on the CPU: vLLM's queue, each twin with the pool guard off and on.
 bench-scheduler:

@@ -241,10 +241,13 @@ class Driver:
         c["finished"] += len(finished)
         c["admitted"] += len(new)
 
-    def run(self, after_warmup: Callable[[], Any] = lambda: None) -> float:
+    def run(
+        self, after_warmup: Callable[[], Any] = lambda: None, step_times: list[float] | None = None
+    ) -> float:
         """The whole workload, the collector off, ``after_warmup()`` called after the warm-up;
         the thread CPU time inside ``schedule()`` and ``update_from_output()`` over the timed
-        steps (building requests and the fake model's output outside it)."""
+        steps (building requests and the fake model's output outside it), each timed step's
+        also appended to ``step_times`` when given."""
         scheduler, clock, elapsed = self.scheduler, time.thread_time, 0.0
         gc.collect()
         gc.disable()
@@ -261,7 +264,10 @@ class Driver:
                 model_output = self._model_output(out)
                 resumed = clock()
                 scheduler.update_from_output(out, model_output)
-                elapsed += mid - start + clock() - resumed
+                step = mid - start + clock() - resumed
+                elapsed += step
+                if step_times is not None and self.step_no >= self.setup.workload.warmup_steps:
+                    step_times.append(step)
                 self._record(out)
                 self.step_no += 1
         finally:
