@@ -550,7 +550,7 @@ class KVCacheManager:
         self.coordinator = SimpleNamespace(block_pool=pool, single_type_managers=[manager])
 
 
-def audited(queue_mod: ModuleType, pool: Any, manager: Any) -> tuple[Any, CountingScreen]:
+def audited(queue_mod: ModuleType, pool: Any, manager: Any) -> tuple[Any, Any]:
     return KVCacheManager(pool, manager), CountingScreen(screen_of(queue_mod))
 
 
