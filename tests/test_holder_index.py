@@ -522,3 +522,91 @@ def test_the_entry_is_open_once_the_guard_is_off(queue_mod: ModuleType) -> None:
     block.ref_cnt -= 1
     pool.free_block_queue.prepend_n([block])  # unguarded: vLLM's own behaviour
     assert block.prev_free_block is not None
+
+
+# -- the audit between its full reads, through the index ----------------------------------------
+
+
+class CountingScreen:
+    """The twin's screens, counting the holder audit's reads of the listings."""
+
+    def __init__(self, screen: ModuleType) -> None:
+        self.screen = screen
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.screen, name)
+
+    def holder_faults(self, *args: Any) -> Any:
+        self.reads += 1
+        return self.screen.holder_faults(*args)
+
+
+class KVCacheManager:
+    """What the audit reads of vLLM's: its coordinator (and a weak reference, by which the
+    audit keeps its place between steps)."""
+
+    def __init__(self, pool: Any, manager: Any) -> None:
+        self.coordinator = SimpleNamespace(block_pool=pool, single_type_managers=[manager])
+
+
+def audited(queue_mod: ModuleType, pool: Any, manager: Any) -> tuple[Any, Any]:
+    return KVCacheManager(pool, manager), CountingScreen(screen_of(queue_mod))
+
+
+def test_between_full_reads_a_sound_free_reads_no_listing(queue_mod: ModuleType) -> None:
+    for pool, manager in exit_pool(queue_mod, "raise", entry=True):
+        kv, screen = audited(queue_mod, pool, manager)
+        table = manager.req_to_blocks
+        table["A"].extend(pool.get_new_blocks(3))
+        table["B"].extend(pool.get_new_blocks(2))
+        _audit.audit_holders(kv, screen, policy_of, 64)  # a manager's first: a full read
+        assert screen.reads == 1
+        for _ in range(5):
+            pool.free_blocks(reversed(table.pop("B")))
+            table["B"].extend(pool.get_new_blocks(2))
+            pool.touch(table["A"][:1])  # a prefix hit: two references, one listing
+            _audit.audit_holders(kv, screen, policy_of, 64)
+        assert screen.reads == 1  # the freed blocks looked up in the index, not read
+
+
+@pytest.mark.parametrize("policy", ["raise", "repair"])
+def test_between_full_reads_a_listed_block_freed_is_found_at_the_next_step(
+    queue_mod: ModuleType, policy: str
+) -> None:
+    for pool, manager in exit_pool(queue_mod, policy, entry=True):
+        kv, screen = audited(queue_mod, pool, manager)
+        table = manager.req_to_blocks
+        table["A"].extend(pool.get_new_blocks(2))
+        _audit.audit_holders(kv, screen, policy_of, 64)
+        block = table["A"][1]
+        pool.free_blocks([block])  # A still lists it: a guarded free of a held reference
+        if policy == "raise":
+            for _ in range(2):  # and again, while the fault stands
+                with pytest.raises(_errors.HolderAuditError, match=f"block {block.block_id} is"):
+                    _audit.audit_holders(kv, screen, policy_of, 64)
+            return
+        _audit.audit_holders(kv, screen, policy_of, 64)
+        assert block.ref_cnt == 1
+        assert block.prev_free_block is None
+        assert _report.pool_repairs(pool)["listed_free"] == 1
+        consistent_with_holders(pool, table)
+
+
+def test_between_full_reads_a_stale_suspect_is_no_fault(queue_mod: ModuleType) -> None:
+    """A listing dropped out of the index's sight: its freed block looks listed, the listings
+    read say it is not; the index is counted again, nothing reported."""
+    for pool, manager in exit_pool(queue_mod, "raise", entry=True):
+        kv, screen = audited(queue_mod, pool, manager)
+        table = manager.req_to_blocks
+        table["A"].extend(pool.get_new_blocks(2))
+        _audit.audit_holders(kv, screen, policy_of, 64)
+        blocks = dict.pop(table, "A")  # through dict itself: the index not told
+        rebuilds = _report.index_rebuilds()
+        pool.free_blocks(blocks)
+        _audit.audit_holders(kv, screen, policy_of, 64)
+        assert _report.index_rebuilds() == rebuilds + 1
+        index = _index.index_of(pool)
+        assert index is not None
+        assert index.counts == recount(index)
+        assert sum(_report.pool_repairs(pool).values()) == 0

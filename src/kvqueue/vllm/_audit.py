@@ -59,11 +59,13 @@ def audit_holders(
     listed block is held; else raises or repairs as the pool's policy says.
 
     Every ``every`` steps (and at a manager's first) every listing is read, O(listed
-    blocks); at the steps between, only the listings of blocks a guarded free released
-    since the last audit are (each other listing is compared by address, unread), and
-    not at all when nothing was freed: a free that releases a reference a live request
-    holds is found at the next step either way. An audit that raises reads the same frees
-    again at the next call.
+    blocks), and the holder index checked against them; at the steps between, the blocks a
+    guarded free released since the last audit are looked up in the index, O(blocks freed),
+    and the listings read only when one is listed and free or under-counted (where the
+    pool has no index, only those blocks' listings are read, every other compared by
+    address); not at all when nothing was freed: a free that releases a reference a live
+    request holds is found at the next step either way. An audit that raises reads the
+    same frees again at the next call.
 
     Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
     ``ref_cnt`` that is no integer.
@@ -94,18 +96,48 @@ def audit_holders(
             only = _report.recent_frees(made - place[0])
             if only is None:  # more frees than are kept: read everything
                 steps = 0
+    index = _index.index_of(pool)
+    if only is not None and index is not None:
+        # The holder index says which freed blocks may be at fault: O(blocks freed), and
+        # the listings are read only for those.
+        only = _suspects(index, only)
+        if not only:
+            if kept:
+                _places[manager] = [made, steps]
+            return
     managers = [m for m in coordinator.single_type_managers if not _index.unpins(type(m))]
     found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
         _found(pool, managers, found, policy(pool))
-    index = _index.index_of(pool)
-    if only is None and index is not None:
+    if index is not None and (only is None or not found):
         _rebuilt(pool, index)
     # Past the frees it read only once nothing was raised: a step retried after
     # HolderAuditError (the pool as it was) reads them again, and raises again while the
     # fault stands.
     if kept:
         _places[manager] = [made, steps]
+
+
+def _suspects(index: _index.Index, freed: list[list[Any]]) -> list[list[Any]]:
+    """Of the blocks ``freed`` (guarded frees' batches), those the index says a live request
+    lists while they are in the free list or hold fewer references than listings (or a
+    ``ref_cnt`` that is no integer), as one batch; none: ``[]``. O(blocks freed)."""
+    counts = index.counts
+    pool_blocks = index.blocks
+    size = len(counts)
+    found = []
+    for batch in freed:
+        for block in batch:
+            block_id = getattr(block, "block_id", None)
+            if not (type(block_id) is int and 0 <= block_id < size):
+                continue
+            listed = counts[block_id]
+            if not listed or pool_blocks[block_id] is not block or block.is_null:
+                continue
+            refs = block.ref_cnt
+            if block.prev_free_block is not None or type(refs) is not int or refs < listed:
+                found.append(block)
+    return [found] if found else []
 
 
 def _rebuilt(pool: Any, index: _index.Index) -> bool:
