@@ -204,6 +204,7 @@ def hand_out(
     pool: Any,
     num_blocks: int,
     index: _index.Index,
+    screen: ModuleType,
     policy: Callable[[Any], str],
     call: Callable[[int], Any],
 ) -> Any:
@@ -222,7 +223,8 @@ def hand_out(
     try:
         while True:
             wanted = min(num_blocks, queue.num_free_blocks)
-            block = _index.first_listed(index, queue.fake_free_list_head, wanted)
+            head = queue.fake_free_list_head
+            block = screen.first_listed(head, wanted, index.counts, index.blocks)
             if block is None:
                 break
             listed = index.holders(block)
