@@ -163,6 +163,32 @@ def test_first_held_free(screen: ModuleType) -> None:
     assert screen.first_held_free(head, 10) is None  # past the last link
 
 
+class _Count(int):
+    """A count of an int subclass: read by its value, as vLLM's own could be."""
+
+
+def test_first_listed(screen: ModuleType) -> None:
+    head, *blocks = [Block(0) for _ in range(5)]
+    for i, block in enumerate(blocks):
+        block.block_id = i
+    for left, right in zip([head, *blocks], blocks, strict=False):
+        left.next_free_block = right
+    counts = [0] * 4  # the last block's id is past the index's counts
+    pool_blocks = list(blocks)
+    assert screen.first_listed(head, 4, counts, pool_blocks) is None
+    counts[2] = 1
+    assert screen.first_listed(head, 2, counts, pool_blocks) is None
+    assert screen.first_listed(head, 3, counts, pool_blocks) is blocks[2]
+    counts[1] = _Count(2)
+    assert screen.first_listed(head, 3, counts, pool_blocks) is blocks[1]
+    pool_blocks[1] = Block(0)  # another block at its id: not this pool's, not counted
+    assert screen.first_listed(head, 3, counts, pool_blocks) is blocks[2]
+    counts[1] = counts[2] = 0
+    blocks[0].block_id = "first"  # no int: not counted
+    blocks[3].block_id = -1
+    assert screen.first_listed(head, 10, counts, pool_blocks) is None  # past the last link
+
+
 def test_twins_document_the_same_contract(screen: ModuleType) -> None:
     import kvqueue.vllm._screen_py as pure
 

@@ -230,8 +230,13 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
             f"{settings['implementation']} twin, on_misuse={policy}, "
             f"pool guard {'on' if settings['pool_guard'] else 'off'}, holder audit "
             + (
-                f"each step (all listings every {settings['audit_every']}), the free list's "
-                "entry and exit checked against the holder index"
+                "each step"
+                + (
+                    f" (all listings every {settings['audit_every']})"
+                    if settings["audit_every"]
+                    else ""
+                )
+                + ", the free list's entry and exit checked against the holder index"
                 if settings["pool_guard"]
                 else "off"
             )

@@ -49,16 +49,19 @@ MEANINGS: Mapping[str, str] = {
     "does not start); auto: installs, or stays off with a warning; 0 or unset: off",
     MISUSE_POLICY: "raise (default) or repair: the misuse policy of queues and pool guards",
     POOL_GUARD: "0: the vLLM plugin leaves BlockPool's methods unguarded (1 or unset: guarded)",
-    AUDIT_EVERY: "1, 2, 4, ... 1024: steps between the holder audit's full reads (64 or unset); "
-    "the steps between read only the blocks freed since",
+    AUDIT_EVERY: "1, 2, 4, ... 1024: steps between the holder audit's full reads of every "
+    "listing, which check the holder index too (0 or unset: none; each step looks up only the "
+    "blocks freed since, in the index)",
     WRAP_FOREIGN: "1: the vLLM plugin installs over another project's patch (0 or unset: refuses)",
     PURE: "1: import kvqueue loads the pure twin (0 or unset: the compiled one)",
 }
 USER = tuple(MEANINGS)
 
 #: The values of KVQUEUE_AUDIT_EVERY, and its default.
-EVERY: Mapping[str, int] = {str(1 << k): 1 << k for k in range(11)}
-EVERY_DEFAULT = 64
+EVERY: Mapping[str, int] = {"0": 0, **{str(1 << k): 1 << k for k in range(11)}}
+# None by default: a full read costs what the cache lists (tens of milliseconds a step at
+# 100,000 listings), a stall the holder index makes needless (bench/README.md).
+EVERY_DEFAULT = 0
 
 #: The values of an on/off variable.
 FLAG: Mapping[str, bool] = {"1": True, "0": False}
@@ -86,6 +89,6 @@ def flag(name: str, default: bool = False) -> bool:
 
 
 def audit_every() -> int:
-    """The steps between the holder audit's full reads that KVQUEUE_AUDIT_EVERY names now.
-    Raises ValueError for a value it does not take."""
+    """The steps between the holder audit's full reads that KVQUEUE_AUDIT_EVERY names now
+    (0: none). Raises ValueError for a value it does not take."""
     return choice(AUDIT_EVERY, EVERY, EVERY_DEFAULT)

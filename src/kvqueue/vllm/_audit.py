@@ -58,8 +58,8 @@ def audit_holders(
     """The holder audit of vLLM's ``KVCacheManager`` ``manager``: nothing when every
     listed block is held; else raises or repairs as the pool's policy says.
 
-    Every ``every`` steps (and at a manager's first) every listing is read, O(listed
-    blocks), and the holder index checked against them; at the steps between, the blocks a
+    Every ``every`` steps (never for 0; always at a manager's first) every listing is read,
+    O(listed blocks), and the holder index checked against them; at the steps between, the blocks a
     guarded free released since the last audit are looked up in the index, O(blocks freed),
     and the listings read only when one is listed and free or under-counted (where the
     pool has no index, only those blocks' listings are read, every other compared by
@@ -87,7 +87,7 @@ def audit_holders(
     steps = 0  # since the last full read, this one included
     if place is not None:  # a manager's first audit reads everything
         steps = place[1] + 1
-        if steps >= every:
+        if every and steps >= every:
             steps = 0
         elif made == place[0]:
             place[1] = steps
@@ -204,6 +204,7 @@ def hand_out(
     pool: Any,
     num_blocks: int,
     index: _index.Index,
+    screen: ModuleType,
     policy: Callable[[Any], str],
     call: Callable[[int], Any],
 ) -> Any:
@@ -222,7 +223,8 @@ def hand_out(
     try:
         while True:
             wanted = min(num_blocks, queue.num_free_blocks)
-            block = _index.first_listed(index, queue.fake_free_list_head, wanted)
+            head = queue.fake_free_list_head
+            block = screen.first_listed(head, wanted, index.counts, index.blocks)
             if block is None:
                 break
             listed = index.holders(block)

@@ -32,7 +32,6 @@ __all__ = (
     "Listed",
     "Table",
     "adopt",
-    "first_listed",
     "guard_init",
     "index_of",
     "unguard_init",
@@ -385,25 +384,3 @@ def unguard_init(manager_class: type, originals: dict[str, Any]) -> None:
 
 # The __init__ functions made here, weakly, each to the vLLM __init__ it runs.
 _made: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def first_listed(index: Index, head: Any, n: int) -> Any:
-    """The first of the ``n`` blocks after ``head`` (a free list's head sentinel) that a
-    live request lists, or None; O(n). A link that is None ends the walk."""
-    blocks = index.blocks
-    counts = index.counts
-    size = len(counts)
-    block = head
-    for _ in range(n):
-        block = block.next_free_block
-        if block is None:
-            return None
-        block_id = block.block_id
-        if (
-            type(block_id) is int
-            and 0 <= block_id < size
-            and counts[block_id]
-            and blocks[block_id] is block
-        ):
-            return block
-    return None

@@ -164,7 +164,7 @@ def _active(status: dict[str, Any]) -> dict[str, str]:
         "vllm_version": _vllm_version(),
         "pool_guard": "on" if status["pool_guard"] else "off",
         "holder_audit": "on" if status["holder_audit"] else "off",
-        "audit_every": str(status["audit_every"] or ""),
+        "audit_every": "" if status["audit_every"] is None else str(status["audit_every"]),
     }
 
 

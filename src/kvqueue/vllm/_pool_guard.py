@@ -423,7 +423,7 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_held_free = made.screen.first_held_free
     index_of = _index.index_of
-    first_listed = _index.first_listed
+    first_listed = made.screen.first_listed
 
     def alloc(self: Any, num_blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if type(num_blocks) is not int:
@@ -449,14 +449,19 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
                 )
             # The free list's exit: a block a live request lists is never handed out.
             held = index_of(self)
-            if held is not None and first_listed(held, head, num_blocks) is not None:
+            if (
+                held is not None
+                and first_listed(head, num_blocks, held.counts, held.blocks) is not None
+            ):
                 return _slow(
                     made,
                     self,
                     num_blocks,
                     args,
                     kwargs,
-                    lambda call: _audit.hand_out(self, num_blocks, held, made.policy, call),
+                    lambda call: _audit.hand_out(
+                        self, num_blocks, held, made.screen, made.policy, call
+                    ),
                 )
         return original(self, num_blocks, *args, **kwargs)
 

@@ -34,6 +34,7 @@ __all__ = (
     "REPEATS",
     "first_excess",
     "first_held_free",
+    "first_listed",
     "first_negative",
     "holder_faults",
 )
@@ -234,6 +235,32 @@ def first_held_free(object head, Py_ssize_t n):
             return None
         value = _field(block, &lay, _REF_CNT, "ref_cnt")
         if not kvs_count(<PyObject *>value, &refs) or refs != 0:
+            return block
+    return None
+
+
+def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
+    """The first of the ``n`` blocks after ``head`` (a free list's head sentinel) that a
+    live request lists (``counts[block_id]`` not 0, the holder index's, and the block is
+    ``pool_blocks[block_id]``), or None; O(n). A link that is None ends the walk."""
+    cdef object block = head
+    cdef Py_ssize_t block_id
+    cdef Py_ssize_t listed
+    cdef _Layout lay
+    lay.type = NULL
+    for _ in range(n):
+        block = _field(block, &lay, _NEXT, "next_free_block")
+        if block is None:
+            return None
+        value = _field(block, &lay, _BLOCK_ID, "block_id")
+        if not kvs_count(<PyObject *>value, &block_id) or block_id < 0:
+            continue
+        # Both lengths read again at each block: a read above may have run Python code.
+        if block_id >= PyList_GET_SIZE(counts) or block_id >= PyList_GET_SIZE(pool_blocks):
+            continue
+        if not kvs_count(PyList_GET_ITEM(counts, block_id), &listed) or listed == 0:
+            continue
+        if PyList_GET_ITEM(pool_blocks, block_id) == <PyObject *>block:
             return block
     return None
 

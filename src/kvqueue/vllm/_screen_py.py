@@ -27,6 +27,7 @@ __all__ = (
     "REPEATS",
     "first_excess",
     "first_held_free",
+    "first_listed",
     "first_negative",
     "holder_faults",
 )
@@ -123,6 +124,28 @@ def first_held_free(head: Any, n: int) -> Any:
         # A free block's count is the interpreter's one 0 object, the identity test the
         # quick way past it; any other value (an int, a 0 of a subclass or no int) is read.
         if refs is not _ZERO and _count(refs) != 0:
+            return block
+    return None
+
+
+def first_listed(head: Any, n: int, counts: list[int], pool_blocks: list[Any]) -> Any:
+    """The first of the ``n`` blocks after ``head`` (a free list's head sentinel) that a
+    live request lists (``counts[block_id]`` not 0, the holder index's, and the block is
+    ``pool_blocks[block_id]``), or None; O(n). A link that is None ends the walk."""
+    block = head
+    for _ in range(n):
+        block = block.next_free_block
+        if block is None:
+            return None
+        block_id = _count(block.block_id)
+        if block_id is None or block_id < 0:
+            continue
+        if block_id >= len(counts) or block_id >= len(pool_blocks):
+            continue
+        listed = _count(counts[block_id])
+        if listed is None or listed == 0:
+            continue
+        if pool_blocks[block_id] is block:
             return block
     return None
 
