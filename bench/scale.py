@@ -9,12 +9,13 @@ arrive as finish. Past the warm-up every step is a decode step for all but the 2
 whose prefill it schedules too.
 
 Contenders: ``vllm`` (vLLM alone), ``cython+guard`` and ``python+guard``
-(``kvqueue.vllm.install(twin)``, pool guard on, default settings: the holder audit reads every
-listing every ``KVQUEUE_AUDIT_EVERY`` steps). Per size, each fresh process (pinned to one CPU,
-the collector off) first runs vLLM alone once with its queue's calls counted (the blocks moved
-in and out of the free list, the schedule's fingerprint, the pool it leaves), then ``reps`` timed
-runs per contender, in a new random order each round; each must schedule what vLLM alone did
-and leave the same pool, or the process fails. A step is the thread CPU time of ``schedule()`` +
+(``kvqueue.vllm.install(twin)``, pool guard on, default settings; ``KVQUEUE_AUDIT_EVERY`` set,
+the holder audit reads every listing every that many steps, a stall the largest added step
+shows). Per size, each fresh process (pinned to one CPU, the collector off) first runs vLLM
+alone once with its queue's calls counted (the blocks moved in and out of the free list, the
+schedule's fingerprint, the pool it leaves), then ``reps`` timed runs per contender, in a new
+random order each round; each must schedule what vLLM alone did and leave the same pool, or
+the process fails. A step is the thread CPU time of ``schedule()`` +
 ``update_from_output()``; the audit's own time is timed around each ``audit_holders`` call.
 
 Per process and contender: the median step (the median over runs of each run's median step);
@@ -61,7 +62,8 @@ MEAN_BLOCKS = sum(math.ceil((PROMPT_TOKENS + k) / BLOCK_SIZE) for k in range(LIF
 MOST_BLOCKS = math.ceil((PROMPT_TOKENS + LIFETIME) / BLOCK_SIZE)
 HEADROOM = 1.06
 # The batch has all finished its first life by step LIFETIME; the audit's first full read is at
-# step 0, so a warm-up of 64 steps puts one full read at the first timed step of each 64.
+# step 0, so a warm-up of 64 steps puts a full read every KVQUEUE_AUDIT_EVERY=64 steps at the
+# first timed step of each 64.
 WARMUP_STEPS = 64
 # Timed steps (full, quick): multiples of 64, so each run holds its share of full reads. The
 # largest size is slow on the pure twin: fewer steps.
@@ -234,6 +236,7 @@ def timed_run(name: str, setup: sched_engine.Setup, recorded: dict[str, Any]) ->
     # The step guard takes audit_holders when install() makes it: wrapped before.
     with patch.object(_audit, "audit_holders", audits.wrap(_audit.audit_holders)):
         use(name)
+        every = kvqueue.vllm.status()["audit_every"]
         driver = sched_engine.Driver(setup)
         driver.run(audits.calls.clear, steps)
         kvqueue.vllm.uninstall()
@@ -242,7 +245,7 @@ def timed_run(name: str, setup: sched_engine.Setup, recorded: dict[str, Any]) ->
         raise SystemExit(f"{where}: the schedule differs from vLLM's alone")
     if pool_state(driver) != recorded["pool"]:
         raise SystemExit(f"{where}: the pool after the run differs from vLLM's alone")
-    return {"steps": steps, "audits": list(audits.calls)}
+    return {"steps": steps, "audits": list(audits.calls), "audit_every": every}
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -325,8 +328,8 @@ def table(data: dict[str, Any]) -> str:
         "[bootstrap 95% interval]. Step: thread CPU time of `schedule()` + "
         "`update_from_output()`; runs per contender per process x timed steps, per size: "
         + ", ".join(f"{k:,}: {s['reps'][k]} x {v}" for k, v in s["timed_steps"].items())
-        + f" (after {WARMUP_STEPS}); the audit reads every listing every {s['audit_every']} "
-        "steps.",
+        + f" (after {WARMUP_STEPS}); `KVQUEUE_AUDIT_EVERY`: {s['audit_every']} (0: no full "
+        "reads).",
         "",
         "*added*: the contender's time over vLLM alone's, per step, its full reads included; "
         "*per moved block*: that over the blocks leaving and entering the free list per step; "
@@ -369,9 +372,10 @@ def main() -> None:
              "reps": min(reps, MOST_REPS.get(size, reps))}
             for i in range(processes) for size in sizes]  # fmt: skip
     records = launch.run(worker, jobs)
-    every = os.environ.get("KVQUEUE_AUDIT_EVERY", "64")
-    settings = {"processes": processes, "reps": {j["listed_target"]: j["reps"] for j in jobs},
-                "quick": args.quick, "timed_steps": timed, "audit_every": every}  # fmt: skip
+    every = {r["runs"]["cython+guard"][0]["audit_every"] for r in records}
+    reps_of = {job["listed_target"]: job["reps"] for job in jobs}
+    settings = {"processes": processes, "reps": reps_of, "quick": args.quick,
+                "timed_steps": timed, "audit_every": sorted(every)}  # fmt: skip
     data = {"machine": launch.describe(), "vllm": metadata.version("vllm"), "settings": settings,
             "loadavg": os.getloadavg(), "records": records}  # fmt: skip
     out = launch.save(data, args.out and results_path(args.out), "scale")
