@@ -426,6 +426,37 @@ def consistent_with_holders(pool: Any, table: Any) -> None:
     assert free.num_free_blocks == len(free.get_all_free_blocks())
 
 
+def test_a_prefix_hit_on_a_listed_block_in_the_free_list(
+    guarded_exit: Any, repair_log: Any
+) -> None:
+    """A block released under its holder, then hit as a cached prefix: vLLM's touch would
+    take it out of the free list for a second request while the first still lists it."""
+    policy, pool, manager = guarded_exit
+    table = manager.req_to_blocks
+    table["A"].extend(pool.get_new_blocks(2))
+    block = table["A"][1]
+    unguarded_release(pool, block)
+    if policy == "raise":
+        before = state(pool)
+        with pytest.raises(_errors.HolderAuditError) as caught:
+            pool.touch([block])
+        assert state(pool) == before
+        message = str(caught.value)
+        said = f"BlockPool.touch() would give block {block.block_id}, which is in the free list"
+        assert message.startswith(said)
+        assert "request 'A' (FullAttentionManager) lists it, to a prefix hit" in message
+        assert "test_holder_index.py" in message  # the caller, file and line
+        return
+    pool.touch([block])
+    table["B"].append(block)
+    assert block.ref_cnt == 2  # its listing's and the hit's
+    assert block.prev_free_block is None
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+    (record,) = [r for r in repair_log.records if "prefix hit" in r.message]
+    assert "ref_cnt 0 -> 1" in " ".join(record.message.split())
+    consistent_with_holders(pool, table)
+
+
 # -- the free list's entry, on a stand-in pool ------------------------------------------------
 
 

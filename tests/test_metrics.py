@@ -90,7 +90,7 @@ def test_every_counter_an_engine_can_move() -> None:
     assert ("refused", "prepend_n", "listed_free") in found
     queue = 2 + 3 + 4 + 4 + 2
     entry = 3 * 2
-    assert len(found) == len(set(found)) == 2 * (2 + 2 + 1 + 3 + entry + 4) + 4 + 1 + queue
+    assert len(found) == len(set(found)) == 2 * (2 + 2 + 2 + 3 + entry + 4) + 4 + 1 + queue
     unguarded = _metrics.combinations([], False)
     assert not any(method == "new_step_starts" for _, method, _ in unguarded)
     assert len(unguarded) == queue

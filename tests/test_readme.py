@@ -104,3 +104,22 @@ def test_terms_are_said_before_they_are_used() -> None:
         first = re.search(rf"(?<!\w){term}s?(?!\w)", text)
         assert first is not None, term
         assert text[first.start() - 1] == "*", (term, text[first.start() - 80 : first.end()])
+
+
+def test_the_performance_summary_is_the_benchmarks() -> None:
+    """The README's ratios are the range of bench/README.md's microbenchmark table, per twin:
+    measured once, said twice, held together here."""
+    bench = README.parent / "bench" / "README.md"
+    if not bench.is_file():
+        pytest.skip("the suite runs outside the source tree (no bench/ beside tests/)")
+    section = bench.read_text().split("## Microbenchmark", 1)[1]
+    table = section.split("\n\n| case |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if " ns |" in line]
+    ratios: dict[str, list[float]] = {"compiled": [], "pure": []}
+    for cells in rows:
+        for twin, columns in (("compiled", (2, 5)), ("pure", (3, 6))):
+            ratios[twin] += [float(cells[c].split()[0]) for c in columns]
+    said = " ".join(README.read_text().split("## Performance", 1)[1].split("##", 1)[0].split())
+    compiled, pure = (f"{min(found):.2f}-{max(found):.2f}" for found in ratios.values())
+    assert f"{compiled} of the time of vLLM's own on the compiled twin" in said
+    assert f"{pure} on the pure one" in said

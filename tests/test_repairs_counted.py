@@ -165,6 +165,18 @@ def _entry(pool: Any, queue_mod: ModuleType, *, method: str, kind: str) -> None:
     queue.append(block) if method == "append" else getattr(queue, method)([block])
 
 
+def _listed_touched(pool: Any) -> None:
+    """A prefix hit on a block its holder lists, released by no guarded free."""
+    manager = type("FullAttentionManager", (), {})()
+    manager.req_to_blocks, manager.block_pool = defaultdict(list), pool
+    _index.adopt(manager)
+    manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
+    (block,) = manager.req_to_blocks["A"]
+    block.ref_cnt -= 1
+    pool.free_block_queue.prepend_n([block])
+    pool.touch([block])
+
+
 def _held_in_alloc(pool: Any, refs: int) -> None:
     (block,) = pool.get_new_blocks(1)
     block.ref_cnt = refs
@@ -196,6 +208,7 @@ GUARD_CALLS: dict[tuple[str, str], Callable[[Any, ModuleType], object]] = {
     ("unpin_blocks", "double_free"): lambda pool, mod: _double_free(pool, "unpin_blocks"),
     ("unpin_blocks", "held_free"): lambda pool, mod: _held_free(pool, "unpin_blocks"),
     ("touch", "negative_ref"): lambda pool, mod: _negative_touch(pool),
+    ("touch", "listed_free"): lambda pool, mod: _listed_touched(pool),
     ("get_new_blocks", "held_free"): lambda pool, mod: _held_in_alloc(pool, 1),
     ("get_new_blocks", "negative_ref"): lambda pool, mod: _held_in_alloc(pool, -1),
     ("get_new_blocks", "listed_free"): lambda pool, mod: _listed_in_alloc(pool),
@@ -264,9 +277,10 @@ def test_every_counter_an_engine_writes_is_driven_here() -> None:
 
 
 # The functions that log a repair, each driven above: the queue's (both twins), the guard's
-# notes, the holder audit's, the free list's entry and exit, the holder index's rebuild. A repair
+# notes, the holder audit's, the free list's entry and exit (a prefix hit's included), the
+# holder index's rebuild. A repair
 # logged anywhere else has no counter this file checks.
-LOGGED_BY = {"_misuse", "log_notes", "_found", "enter", "hand_out", "_rebuilt"}
+LOGGED_BY = {"_misuse", "log_notes", "_found", "enter", "hand_out", "touch_listed", "_rebuilt"}
 _LOGS = re.compile(r"_log\.(?:queue_)?repaired\(|\blogger\.\w+\([^)]*repaired", re.S)
 
 

@@ -189,6 +189,27 @@ def test_first_listed(screen: ModuleType) -> None:
     assert screen.first_listed(head, 10, counts, pool_blocks) is None  # past the last link
 
 
+def test_first_listed_free(screen: ModuleType) -> None:
+    blocks = [Block(0) for _ in range(5)]
+    for i, block in enumerate(blocks):
+        block.block_id = i
+    counts = [0] * 4  # the last block's id is past the index's counts
+    pool_blocks = list(blocks)
+    assert screen.first_listed_free(blocks, counts, pool_blocks) == -1
+    counts[3] = _Count(1)
+    assert screen.first_listed_free(blocks, counts, pool_blocks) == 3
+    counts[1] = 2
+    blocks[1].ref_cnt = 2  # held as often as listed: out of the free list
+    assert screen.first_listed_free(blocks, counts, pool_blocks) == 3
+    blocks[3].is_null = True  # the null block: listed in many places, never free
+    assert screen.first_listed_free(blocks, counts, pool_blocks) == -1
+    blocks[1].ref_cnt = 0
+    pool_blocks[1] = Block(0)  # another block at its id: not this pool's, not counted
+    assert screen.first_listed_free(blocks, counts, pool_blocks) == -1
+    pool_blocks[1] = blocks[1]
+    assert screen.first_listed_free(blocks[1:2] * 2, counts, pool_blocks) == 0
+
+
 def test_twins_document_the_same_contract(screen: ModuleType) -> None:
     import kvqueue.vllm._screen_py as pure
 

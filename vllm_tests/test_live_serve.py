@@ -254,7 +254,7 @@ def test_vllm_serve_metrics_count_exactly_the_double_frees_injected(
     assert set(queue.values()) == {0.0}
     (info,) = _kvqueue(last, "kvqueue_info{").items()
     assert info[1] == 1.0
-    assert 'audit_every="64"' in info[0]
+    assert 'audit_every="0"' in info[0]
     assert 'state="active"' in info[0]
     assert 'on_misuse="repair"' in info[0]
     assert 'engine="0"' in info[0]

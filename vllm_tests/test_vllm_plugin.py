@@ -282,7 +282,7 @@ def test_python_m_kvqueue_with_the_plugin_on() -> None:
         "on_misuse": "repair",
         "pool_guard": True,
         "wrap_foreign": False,
-        "audit_every": 64,
+        "audit_every": 0,
     }
 
 

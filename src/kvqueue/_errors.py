@@ -113,6 +113,13 @@ def listed_handed_out(
     )
 
 
+def listed_touched(call: str, block: str, what: str, released: str, where: str) -> HolderAuditError:
+    return HolderAuditError(
+        f"{call} would give block {block}, which {what}, to a prefix hit: a second request "
+        f"would hold it; nothing was touched. {released}{where}"
+    )
+
+
 def queued_held(call: str, block: str, what: str, where: str) -> HolderAuditError:
     return HolderAuditError(
         f"{call} would queue block {block} free, which {what}: the next allocation would hand "

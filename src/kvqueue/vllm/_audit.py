@@ -43,7 +43,7 @@ from typing import Any
 from .. import _errors, _log, _policy, _render
 from . import _index, _registry, _report, _rules
 
-__all__ = ("audit_holders", "enter", "hand_out")
+__all__ = ("audit_holders", "enter", "hand_out", "touch_listed")
 
 # Per KVCacheManager: the guarded frees made when it was last audited, and the steps since
 # its last full audit.
@@ -265,6 +265,68 @@ def hand_out(
                 "%s would have handed out a listed block (listed_free #%d on this pool): "
                 "block %s %s: %s. %s",
                 _report.call("get_new_blocks"),
+                count,
+                name,
+                what,
+                done,
+                where,
+            )
+
+
+def touch_listed(
+    pool: Any,
+    blocks: list[Any],
+    index: _index.Index,
+    policy: Callable[[Any], str],
+    call: Callable[[list[Any]], Any],
+) -> Any:
+    """``touch`` of ``blocks`` when one of them is in the free list (``ref_cnt`` 0) while a
+    live request lists it (released under its holder; a prefix hit would share it):
+    ``"raise"``: HolderAuditError before anything is touched, naming the block, its holders
+    and the free that last released it; ``"repair"``: each such block leaves the free list,
+    its ``ref_cnt`` raised to its listings (counted and logged), then vLLM's method ``call``
+    adds the hit's reference. O(len(blocks)), O(listings) to name a block's holders.
+    """
+    queue = pool.free_block_queue
+    counts = index.counts
+    pool_blocks = index.blocks
+    lines = []
+    try:
+        for block in blocks:
+            block_id = getattr(block, "block_id", None)
+            if not (type(block_id) is int and 0 <= block_id < len(counts)):
+                continue
+            if not counts[block_id] or pool_blocks[block_id] is not block or block.is_null:
+                continue
+            if block.ref_cnt != 0:
+                continue
+            listed = index.holders(block)
+            if not listed:  # stale: no table in place lists it
+                _rebuilt(pool, index)
+                continue
+            what = _what("listed_free", block, listed)
+            if policy(pool) == "raise":
+                _report.count_refusal("touch", "listed_free")
+                raise _errors.listed_touched(
+                    _report.call("touch"),
+                    _report.named(block),
+                    what,
+                    _released(block),
+                    _report.where(pool),
+                )
+            queue.remove(block)
+            block.ref_cnt = len(listed)
+            count = _report.count_repair(pool, "listed_free", "touch")
+            done = f"taken out of the free list, ref_cnt 0 -> {len(listed)}"
+            lines.append((count, _report.named(block), what, done))
+        return call(blocks)
+    finally:
+        where = _report.where(pool)
+        for count, name, what, done in lines:
+            _log.repaired(
+                "%s would have given a listed block to a prefix hit (listed_free #%d on this "
+                "pool): block %s %s: %s. %s",
+                _report.call("touch"),
                 count,
                 name,
                 what,

@@ -399,6 +399,8 @@ def _once_guard(made: _Guard, line: Any) -> Callable[..., Any]:
 def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_negative = made.screen.first_negative
+    first_listed_free = made.screen.first_listed_free
+    index_of = _index.index_of
     own = line.has_pool_field
     weak = line.weak_pool
 
@@ -406,7 +408,19 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         blocks = list(blocks)
         i = first_negative(blocks, self._weak_self if weak else self if own else None)
         if i < 0:
-            return original(self, blocks, *args, **kwargs)
+            # A prefix hit takes a block out of the free list's middle: not one a live
+            # request lists.
+            held = index_of(self)
+            if held is None or first_listed_free(blocks, held.counts, held.blocks) < 0:
+                return original(self, blocks, *args, **kwargs)
+            return _slow(
+                made,
+                self,
+                blocks,
+                args,
+                kwargs,
+                lambda call: _audit.touch_listed(self, blocks, held, made.policy, call),
+            )
         return _slow(
             made,
             self,

@@ -17,7 +17,7 @@ __all__ = ("AUDIT_HOOK", "CORRECTED", "ENTRY", "GUARDED", "KINDS")
 #: misuses its rule refuses (``"raise"``) or repairs (``"repair"``).
 GUARDED: dict[str, tuple[PoolMisuse, ...]] = {
     "get_new_blocks": ("held_free", "negative_ref", "listed_free"),
-    "touch": ("negative_ref",),
+    "touch": ("negative_ref", "listed_free"),
     "free_blocks": ("double_free", "held_free"),
     "unpin_blocks": ("double_free", "held_free"),
 }

@@ -5,6 +5,7 @@ from ._screen_py import REPEATS as REPEATS
 from ._screen_py import first_excess as first_excess
 from ._screen_py import first_held_free as first_held_free
 from ._screen_py import first_listed as first_listed
+from ._screen_py import first_listed_free as first_listed_free
 from ._screen_py import first_negative as first_negative
 from ._screen_py import holder_faults as holder_faults
 
@@ -15,6 +16,7 @@ __all__ = (
     "first_excess",
     "first_held_free",
     "first_listed",
+    "first_listed_free",
     "first_negative",
     "holder_faults",
 )

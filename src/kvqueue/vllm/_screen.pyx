@@ -35,6 +35,7 @@ __all__ = (
     "first_excess",
     "first_held_free",
     "first_listed",
+    "first_listed_free",
     "first_negative",
     "holder_faults",
 )
@@ -216,6 +217,37 @@ def first_negative(list blocks, object pool):
             if not kvs_count(<PyObject *>value, &refs) or refs < 0:
                 return i
         i += 1
+    return -1
+
+
+def first_listed_free(list blocks, list counts, list pool_blocks):
+    """The index of the first block whose ``ref_cnt`` is 0 (in the free list, as vLLM's
+    ``touch`` reads it) while a live request lists it (``counts[block_id]`` not 0, the holder
+    index's, and the block is ``pool_blocks[block_id]``), null blocks aside, or -1;
+    O(len(blocks))."""
+    cdef Py_ssize_t i = 0, refs, block_id, listed
+    cdef Py_ssize_t n = len(blocks)
+    cdef object block
+    cdef _Layout lay
+    lay.type = NULL
+    while i < len(blocks) and i < n:
+        block = blocks[i]
+        i += 1
+        value = _field(block, &lay, _REF_CNT, "ref_cnt")
+        if not kvs_count(<PyObject *>value, &refs) or refs != 0:
+            continue
+        value = _field(block, &lay, _BLOCK_ID, "block_id")
+        if not kvs_count(<PyObject *>value, &block_id) or block_id < 0:
+            continue
+        # Both lengths read again at each block: a read above may have run Python code.
+        if block_id >= PyList_GET_SIZE(counts) or block_id >= PyList_GET_SIZE(pool_blocks):
+            continue
+        if not kvs_count(PyList_GET_ITEM(counts, block_id), &listed) or listed == 0:
+            continue
+        if PyList_GET_ITEM(pool_blocks, block_id) == <PyObject *>block and not _is_null(
+            block, &lay
+        ):
+            return i - 1
     return -1
 
 

@@ -28,6 +28,7 @@ __all__ = (
     "first_excess",
     "first_held_free",
     "first_listed",
+    "first_listed_free",
     "first_negative",
     "holder_faults",
 )
@@ -106,6 +107,28 @@ def first_negative(blocks: list[Any], pool: object) -> int:
                     return i
             if refs < 0:
                 return i
+    return -1
+
+
+def first_listed_free(blocks: list[Any], counts: list[int], pool_blocks: list[Any]) -> int:
+    """The index of the first block whose ``ref_cnt`` is 0 (in the free list, as vLLM's
+    ``touch`` reads it) while a live request lists it (``counts[block_id]`` not 0, the holder
+    index's, and the block is ``pool_blocks[block_id]``), null blocks aside, or -1;
+    O(len(blocks))."""
+    for i, block in zip(range(len(blocks)), blocks, strict=False):
+        refs = _count(block.ref_cnt)
+        if refs is None or refs != 0:
+            continue
+        block_id = _count(block.block_id)
+        if block_id is None or block_id < 0:
+            continue
+        if block_id >= len(counts) or block_id >= len(pool_blocks):
+            continue
+        listed = _count(counts[block_id])
+        if listed is None or listed == 0:
+            continue
+        if pool_blocks[block_id] is block and not block.is_null:
+            return i
     return -1
 
 
