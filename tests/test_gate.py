@@ -9,7 +9,7 @@ import pytest
 
 from kvqueue import KVCacheBlock
 
-from support.helpers import check_queue
+from support.helpers import check_queue, link
 
 LINKING = ("append", "append_n", "prepend_n")
 
@@ -17,14 +17,6 @@ LINKING = ("append", "append_n", "prepend_n")
 def made(queue_mod: ModuleType, n: int) -> tuple[Any, list[Any]]:
     blocks = [KVCacheBlock(i) for i in range(n)]
     return queue_mod.FreeKVCacheBlockQueue(blocks[:2]), blocks
-
-
-def link(queue: Any, method: str, blocks: list[Any]) -> None:
-    if method == "append":
-        for block in blocks:
-            queue.append(block)
-    else:
-        getattr(queue, method)(blocks)
 
 
 def test_no_gate_by_default(queue_mod: ModuleType) -> None:

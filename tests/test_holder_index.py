@@ -24,6 +24,7 @@ from kvqueue.vllm import _audit, _index, _pool_guard, _report
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, policy_of, screen_of, state
+from support.helpers import link
 
 NEWEST = LINES[-1]
 
@@ -466,14 +467,6 @@ def guarded_entry(queue_mod: ModuleType, request: pytest.FixtureRequest) -> Iter
         yield request.param, pool, manager
 
 
-def link(queue: Any, method: str, blocks: list[Any]) -> None:
-    if method == "append":
-        for block in blocks:
-            queue.append(block)
-    else:
-        getattr(queue, method)(blocks)
-
-
 @pytest.mark.parametrize("method", ["append", "append_n", "prepend_n"])
 def test_a_listed_block_released_by_hand_is_not_queued(
     guarded_entry: Any, method: str, repair_log: Any
@@ -493,7 +486,7 @@ def test_a_listed_block_released_by_hand_is_not_queued(
         said = f"FreeKVCacheBlockQueue.{method}() would queue block {block.block_id} free, "
         assert message.startswith(said + "which request 'A' (FullAttentionManager) lists")
         assert "nothing was queued" in message
-        assert "test_holder_index.py" in message  # the caller, file and line
+        assert "helpers.py" in message  # the caller (the test's link()), file and line
         return
     link(pool.free_block_queue, method, [block])
     assert block.ref_cnt == 1  # its listing's reference, given back

@@ -137,13 +137,20 @@ def _negative_touch(pool: Any) -> None:
     pool.touch([block])
 
 
-def _listed_in_alloc(pool: Any) -> None:
-    """A block its holder lists, released by no guarded free, met at the free list's exit."""
+def _listed(pool: Any, entry: bool = False) -> tuple[Any, Any]:
+    """A manager of ``pool`` with its holder index (``entry``: and the free list's entry
+    check), and a block its request ``A`` lists and holds."""
     manager = type("FullAttentionManager", (), {})()
     manager.req_to_blocks, manager.block_pool = defaultdict(list), pool
-    _index.adopt(manager)
+    _index.adopt(manager, _pool_guard.door if entry else None)
     manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
     (block,) = manager.req_to_blocks["A"]
+    return manager, block
+
+
+def _listed_in_alloc(pool: Any) -> None:
+    """A block its holder lists, released by no guarded free, met at the free list's exit."""
+    _, block = _listed(pool)
     block.ref_cnt -= 1
     pool.free_block_queue.prepend_n([block])
     pool.get_new_blocks(1)
@@ -152,11 +159,7 @@ def _listed_in_alloc(pool: Any) -> None:
 def _entry(pool: Any, queue_mod: ModuleType, *, method: str, kind: str) -> None:
     """A block queued by hand while a live request lists it (released by no guarded free), or
     while it holds a reference, met at the free list's entry."""
-    manager = type("FullAttentionManager", (), {})()
-    manager.req_to_blocks, manager.block_pool = defaultdict(list), pool
-    _index.adopt(manager, _pool_guard.door)
-    manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
-    (block,) = manager.req_to_blocks["A"]
+    manager, block = _listed(pool, entry=True)
     if kind == "listed_free":
         block.ref_cnt -= 1
     else:
@@ -167,11 +170,7 @@ def _entry(pool: Any, queue_mod: ModuleType, *, method: str, kind: str) -> None:
 
 def _listed_touched(pool: Any) -> None:
     """A prefix hit on a block its holder lists, released by no guarded free."""
-    manager = type("FullAttentionManager", (), {})()
-    manager.req_to_blocks, manager.block_pool = defaultdict(list), pool
-    _index.adopt(manager)
-    manager.req_to_blocks["A"].extend(pool.get_new_blocks(1))
-    (block,) = manager.req_to_blocks["A"]
+    _, block = _listed(pool)
     block.ref_cnt -= 1
     pool.free_block_queue.prepend_n([block])
     pool.touch([block])

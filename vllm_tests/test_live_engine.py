@@ -296,27 +296,17 @@ def test_raise_stops_at_the_faulty_free(runs: Runs, form: str, twin: str) -> Non
 # twins' sameness is what vLLM's suites, run three ways, prove.
 @pytest.mark.parametrize("twin", ["python"])
 def test_a_repair_never_stops_the_engine(runs: Runs, twin: str) -> None:
-    """A held block in the free list of a full pool, which counts it free.
-    Its holder lists it, so the holder audit takes it out where the next step starts, before
-    the scheduler counts it: the engine serves every request, each one right. The block was
-    planted without a free, so only a full read of the listings finds it (every step here;
-    by default every KVQUEUE_AUDIT_EVERY steps, else get_new_blocks' guard when it meets it).
-    Its holder may finish before that step starts (how soon depends on the host's load): then
-    the guard of that holder's free takes it out, a free of a block linked already."""
-    run = runs.get(
-        SETTING[twin], "repair", "C", args=FULL_POOL, extra_env={"KVQUEUE_AUDIT_EVERY": "1"}
-    )
+    """A held block linked into the free list of a full pool by a call of its own (no free):
+    the free list's entry leaves it out, so the scheduler never counts it free, and the
+    engine serves every request, each one right; the pool is exact at every check."""
+    run = runs.get(SETTING[twin], "repair", "C", args=FULL_POOL)
     (injected,) = run.events("injected")
     assert injected["ref_cnt"] == 1
-    assert injected["free_blocks"] == 1
-    assert run.events("violation")[0]["found"] == [
-        f"block {injected['block']}: held by 1 and in the free list"
-    ]
+    assert injected["free_blocks"] == 0  # left out at the entry
+    assert all(not v["found"] for v in run.events("violation")), run.events("violation")
     assert_served(run)
-    assert run.events("violation")[-1]["found"] == []  # exact again once repaired
     counters = run.events("repairs")[-1]["counters"]
-    found = (counters.get("listed_free", 0), counters.get("held_free", 0))
-    assert found in ((1, 0), (0, 1)), counters
+    assert counters.get("listed_free", 0) == 1, counters
 
 
 # -- form D: a free that releases a reference its holder still lists ------------------------
@@ -380,6 +370,15 @@ def test_kvqueue_speaks_in_the_engine_cores_own_log(runs: Runs) -> None:
     repaired = prefix.format("WARNING", module) + (
         r"BlockPool\.(free_blocks|get_new_blocks|touch)\(\) repaired a double free"
     )
-    lines = run.output.splitlines()
+    # vLLM's format puts its prefix before each line of a record, kvqueue's lines at most 100
+    # columns, the lines that continue one indented: each record one line again.
+    any_prefix = re.compile(prefix.format(r"\w+", r"[^\]]+"))
+    lines: list[str] = []
+    for line in run.output.splitlines():
+        found = any_prefix.match(line)
+        if found and line[found.end() :].startswith("  ") and lines:
+            lines[-1] += " " + line[found.end() :].strip()
+        else:
+            lines.append(line)
     assert any(re.search(active, line) for line in lines), run.output[-3000:]
     assert any(re.search(repaired, line) for line in lines), run.output[-3000:]

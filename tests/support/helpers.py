@@ -57,6 +57,15 @@ def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) 
 TESTS = Path(__file__).resolve().parent.parent
 
 
+def link(queue: Any, method: str, blocks: list[Any]) -> None:
+    """``blocks`` linked by the queue's ``method`` (``append``: one call a block)."""
+    if method == "append":
+        for block in blocks:
+            queue.append(block)
+    else:
+        getattr(queue, method)(blocks)
+
+
 def load_script(relative: str) -> ModuleType:
     """Import one of the checkout's scripts (``examples/demo.py``) by path; skip where the
     suite runs on an installed wheel, away from the checkout."""

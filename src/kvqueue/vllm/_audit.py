@@ -122,17 +122,11 @@ def _suspects(index: _index.Index, freed: list[list[Any]]) -> list[list[Any]]:
     """Of the blocks ``freed`` (guarded frees' batches), those the index says a live request
     lists while they are in the free list or hold fewer references than listings (or a
     ``ref_cnt`` that is no integer), as one batch; none: ``[]``. O(blocks freed)."""
-    counts = index.counts
-    pool_blocks = index.blocks
-    size = len(counts)
     found = []
     for batch in freed:
         for block in batch:
-            block_id = getattr(block, "block_id", None)
-            if not (type(block_id) is int and 0 <= block_id < size):
-                continue
-            listed = counts[block_id]
-            if not listed or pool_blocks[block_id] is not block or block.is_null:
+            listed = index.listings(block)
+            if not listed or block.is_null:
                 continue
             refs = block.ref_cnt
             if block.prev_free_block is not None or type(refs) is not int or refs < listed:
@@ -288,17 +282,10 @@ def touch_listed(
     adds the hit's reference. O(len(blocks)), O(listings) to name a block's holders.
     """
     queue = pool.free_block_queue
-    counts = index.counts
-    pool_blocks = index.blocks
     lines = []
     try:
         for block in blocks:
-            block_id = getattr(block, "block_id", None)
-            if not (type(block_id) is int and 0 <= block_id < len(counts)):
-                continue
-            if not counts[block_id] or pool_blocks[block_id] is not block or block.is_null:
-                continue
-            if block.ref_cnt != 0:
+            if not index.listings(block) or block.is_null or block.ref_cnt != 0:
                 continue
             listed = index.holders(block)
             if not listed:  # stale: no table in place lists it
@@ -348,16 +335,13 @@ def enter(
     call = f"FreeKVCacheBlockQueue.{method}()"
     refused: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]]]] = []
     kept = []
-    counts = index.counts
-    pool_blocks = index.blocks
-    size = len(counts)
     for block in blocks:
-        block_id = getattr(block, "block_id", None)
-        if not (type(block_id) is int and 0 <= block_id < size and pool_blocks[block_id] is block):
+        count = index.listings(block)
+        if count is None:  # not the pool's: the queue's own checks
             kept.append(block)
             continue
-        listed = index.holders(block) if counts[block_id] else []
-        if counts[block_id] and not listed and _rebuilt(pool, index):
+        listed = index.holders(block) if count else []
+        if count and not listed and _rebuilt(pool, index):
             listed = index.holders(block)
         refs = getattr(block, "ref_cnt", 0)
         if listed:

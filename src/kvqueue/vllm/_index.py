@@ -60,6 +60,14 @@ class Index:
             if type(block_id) is int and 0 <= block_id < size and pool_blocks[block_id] is block:
                 counts[block_id] += step
 
+    def listings(self, block: Any) -> int | None:
+        """How many times live requests list ``block``; None for a block not the pool's. O(1)."""
+        block_id = getattr(block, "block_id", None)
+        counts = self.counts
+        if type(block_id) is int and 0 <= block_id < len(counts) and self.blocks[block_id] is block:
+            return counts[block_id]
+        return None
+
     def live(self) -> list[Table]:
         """The tables still their manager's ``req_to_blocks`` (one put out of place, or
         whose manager is gone, lists nothing)."""

@@ -355,16 +355,14 @@ class _Door:
     def __call__(self, method: str, blocks: Any) -> Any:
         if self.freeing:
             return blocks
-        index = self.index
-        counts = index.counts
-        pool_blocks = index.blocks
-        size = len(counts)
+        listings = self.index.listings
         for block in blocks:
-            block_id = getattr(block, "block_id", None)
-            if type(block_id) is int and 0 <= block_id < size and pool_blocks[block_id] is block:
-                refs = getattr(block, "ref_cnt", 0)
-                if counts[block_id] or (type(refs) is int and refs > 0):
-                    return self._stopped(method, blocks)
+            listed = listings(block)
+            if listed is None:  # not the pool's: the queue's own checks
+                continue
+            refs = getattr(block, "ref_cnt", 0)
+            if listed or (type(refs) is int and refs > 0):
+                return self._stopped(method, blocks)
         return blocks
 
     def _stopped(self, method: str, blocks: Any) -> Any:

@@ -220,12 +220,27 @@ def first_negative(list blocks, object pool):
     return -1
 
 
+cdef inline bint _listed(object block, _Layout *lay, list counts, list pool_blocks) except -1:
+    """Whether ``block`` is ``pool_blocks[block_id]`` and ``counts[block_id]`` (the holder
+    index's) is not 0."""
+    cdef Py_ssize_t block_id, listed
+    value = _field(block, lay, _BLOCK_ID, "block_id")
+    if not kvs_count(<PyObject *>value, &block_id) or block_id < 0:
+        return False
+    # Both lengths read at each block: a read above may have run Python code.
+    if block_id >= PyList_GET_SIZE(counts) or block_id >= PyList_GET_SIZE(pool_blocks):
+        return False
+    if not kvs_count(PyList_GET_ITEM(counts, block_id), &listed) or listed == 0:
+        return False
+    return PyList_GET_ITEM(pool_blocks, block_id) == <PyObject *>block
+
+
 def first_listed_free(list blocks, list counts, list pool_blocks):
     """The index of the first block whose ``ref_cnt`` is 0 (in the free list, as vLLM's
     ``touch`` reads it) while a live request lists it (``counts[block_id]`` not 0, the holder
     index's, and the block is ``pool_blocks[block_id]``), null blocks aside, or -1;
     O(len(blocks))."""
-    cdef Py_ssize_t i = 0, refs, block_id, listed
+    cdef Py_ssize_t i = 0, refs
     cdef Py_ssize_t n = len(blocks)
     cdef object block
     cdef _Layout lay
@@ -236,17 +251,7 @@ def first_listed_free(list blocks, list counts, list pool_blocks):
         value = _field(block, &lay, _REF_CNT, "ref_cnt")
         if not kvs_count(<PyObject *>value, &refs) or refs != 0:
             continue
-        value = _field(block, &lay, _BLOCK_ID, "block_id")
-        if not kvs_count(<PyObject *>value, &block_id) or block_id < 0:
-            continue
-        # Both lengths read again at each block: a read above may have run Python code.
-        if block_id >= PyList_GET_SIZE(counts) or block_id >= PyList_GET_SIZE(pool_blocks):
-            continue
-        if not kvs_count(PyList_GET_ITEM(counts, block_id), &listed) or listed == 0:
-            continue
-        if PyList_GET_ITEM(pool_blocks, block_id) == <PyObject *>block and not _is_null(
-            block, &lay
-        ):
+        if _listed(block, &lay, counts, pool_blocks) and not _is_null(block, &lay):
             return i - 1
     return -1
 
@@ -276,23 +281,13 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
     live request lists (``counts[block_id]`` not 0, the holder index's, and the block is
     ``pool_blocks[block_id]``), or None; O(n). A link that is None ends the walk."""
     cdef object block = head
-    cdef Py_ssize_t block_id
-    cdef Py_ssize_t listed
     cdef _Layout lay
     lay.type = NULL
     for _ in range(n):
         block = _field(block, &lay, _NEXT, "next_free_block")
         if block is None:
             return None
-        value = _field(block, &lay, _BLOCK_ID, "block_id")
-        if not kvs_count(<PyObject *>value, &block_id) or block_id < 0:
-            continue
-        # Both lengths read again at each block: a read above may have run Python code.
-        if block_id >= PyList_GET_SIZE(counts) or block_id >= PyList_GET_SIZE(pool_blocks):
-            continue
-        if not kvs_count(PyList_GET_ITEM(counts, block_id), &listed) or listed == 0:
-            continue
-        if PyList_GET_ITEM(pool_blocks, block_id) == <PyObject *>block:
+        if _listed(block, &lay, counts, pool_blocks):
             return block
     return None
 

@@ -119,15 +119,7 @@ def first_listed_free(blocks: list[Any], counts: list[int], pool_blocks: list[An
         refs = _count(block.ref_cnt)
         if refs is None or refs != 0:
             continue
-        block_id = _count(block.block_id)
-        if block_id is None or block_id < 0:
-            continue
-        if block_id >= len(counts) or block_id >= len(pool_blocks):
-            continue
-        listed = _count(counts[block_id])
-        if listed is None or listed == 0:
-            continue
-        if pool_blocks[block_id] is block and not block.is_null:
+        if _listed(block, counts, pool_blocks) and not block.is_null:
             return i
     return -1
 
@@ -160,17 +152,21 @@ def first_listed(head: Any, n: int, counts: list[int], pool_blocks: list[Any]) -
         block = block.next_free_block
         if block is None:
             return None
-        block_id = _count(block.block_id)
-        if block_id is None or block_id < 0:
-            continue
-        if block_id >= len(counts) or block_id >= len(pool_blocks):
-            continue
-        listed = _count(counts[block_id])
-        if listed is None or listed == 0:
-            continue
-        if pool_blocks[block_id] is block:
+        if _listed(block, counts, pool_blocks):
             return block
     return None
+
+
+def _listed(block: Any, counts: list[int], pool_blocks: list[Any]) -> bool:
+    """Whether ``block`` is ``pool_blocks[block_id]`` and ``counts[block_id]`` (the holder
+    index's) is not 0."""
+    block_id = _count(block.block_id)
+    if block_id is None or block_id < 0:
+        return False
+    if block_id >= len(counts) or block_id >= len(pool_blocks):
+        return False
+    listed = _count(counts[block_id])
+    return listed is not None and listed != 0 and pool_blocks[block_id] is block
 
 
 def _gone(owner: object) -> bool:
