@@ -169,7 +169,7 @@ new_venv "$PURE_PY" "$WORK/venv-nocc"
 # -v: pip shows a successful build's output only when verbose.
 CC=false LDSHARED=false "$WORK/venv-nocc/bin/python" -m pip install -v --no-deps "$SDIST" \
     >"$WORK/nocc.log" 2>&1 || { cat "$WORK/nocc.log" >&2; die "the sdist failed to install without a compiler"; }
-grep -q "WARNING: kvqueue: installing the pure-Python twin only" "$WORK/nocc.log" \
+grep -q "WARNING: kvqueue: the compiled queue (kvqueue._queue) could not be built" "$WORK/nocc.log" \
     || die "CC=false: no fallback warning in the build output"
 grep -Eq "Created wheel for kvqueue: filename=kvqueue-[^ ]+-py3-none-any\.whl" "$WORK/nocc.log" \
     || die "CC=false: the wheel is not py3-none-any: $(grep 'Created wheel' "$WORK/nocc.log")"
