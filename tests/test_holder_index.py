@@ -458,6 +458,26 @@ def test_a_prefix_hit_on_a_listed_block_in_the_free_list(
     consistent_with_holders(pool, table)
 
 
+def test_a_prefix_hit_on_a_listed_block_out_of_the_list_unlinks_nothing(
+    guarded_exit: Any, repair_log: Any
+) -> None:
+    """A count lowered by hand, the block never queued: the repair gives the listing its
+    reference back and asks the queue to unlink nothing (no queue repair counted)."""
+    policy, pool, manager = guarded_exit
+    if policy == "raise":
+        pytest.skip("the refusal is the same as for a block in the list")
+    table = manager.req_to_blocks
+    table["A"].extend(pool.get_new_blocks(1))
+    (block,) = table["A"]
+    block.ref_cnt -= 1
+    pool.touch([block])
+    table["B"].append(block)
+    assert block.ref_cnt == 2
+    assert pool.free_block_queue.repairs["not_linked"] == 0
+    assert _report.pool_repairs(pool)["listed_free"] == 1
+    consistent_with_holders(pool, table)
+
+
 # -- the free list's entry, on a stand-in pool ------------------------------------------------
 
 

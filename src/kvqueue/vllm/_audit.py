@@ -301,10 +301,13 @@ def touch_listed(
                     _released(block),
                     _report.where(pool),
                 )
-            queue.remove(block)
+            # A count lowered by hand leaves the block out of the list: nothing to unlink.
+            done = "taken out of the free list, " if block.prev_free_block is not None else ""
+            if done:
+                queue.remove(block)
             block.ref_cnt = len(listed)
             count = _report.count_repair(pool, "listed_free", "touch")
-            done = f"taken out of the free list, ref_cnt 0 -> {len(listed)}"
+            done += f"ref_cnt 0 -> {len(listed)}"
             lines.append((count, _report.named(block), what, done))
         return call(blocks)
     finally:
