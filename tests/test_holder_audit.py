@@ -462,3 +462,41 @@ def test_a_retried_full_read_raises_again(queue_mod: ModuleType, refusing: tuple
     del second["A"]
     step(queue_mod, manager, 2)
     step(queue_mod, manager, 2)
+
+
+def test_a_double_listing_is_counted_once_while_it_stands(
+    queue_mod: ModuleType, audited: tuple[Any, Any]
+) -> None:
+    """A count cannot undo a block listed by two managers: after its repair the listing
+    stands, and the reads that find it again count nothing until it goes and comes back."""
+    pool, manager = audited
+    first, second = (m.req_to_blocks for m in manager.coordinator.single_type_managers)
+    first["A"] = pool.get_new_blocks(2)
+    second["A"] = first["A"][:1]
+    for _ in range(3):
+        step(queue_mod, manager, 1)
+        assert _report.pool_repairs(pool)["two_managers"] == 1
+    assert first["A"][0].ref_cnt == 2
+    del second["A"]
+    step(queue_mod, manager, 1)  # gone: no longer standing
+    second["A"] = first["A"][:1]
+    step(queue_mod, manager, 1)
+    assert _report.pool_repairs(pool)["two_managers"] == 2
+    consistent(pool)
+
+
+def test_a_standing_double_listing_is_repaired_again_when_its_count_drops(
+    queue_mod: ModuleType, audited: tuple[Any, Any]
+) -> None:
+    pool, manager = audited
+    first, second = (m.req_to_blocks for m in manager.coordinator.single_type_managers)
+    first["A"] = pool.get_new_blocks(1)
+    second["A"] = first["A"][:1]
+    step(queue_mod, manager, 1)
+    (block,) = first["A"]
+    block.ref_cnt = 1  # one of its two references dropped by hand
+    step(queue_mod, manager, 1)
+    assert block.ref_cnt == 2
+    assert _report.pool_repairs(pool)["two_managers"] == 2
+    consistent(pool)
+

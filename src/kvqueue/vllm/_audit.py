@@ -50,6 +50,11 @@ __all__ = ("audit_holders", "enter", "hand_out", "touch_listed")
 _places: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 # Holders named in a message, at most.
 _SHOWN = 4
+# Per pool, under repair: the double listings (kind, block id, holders) the last reads found.
+# A count cannot undo a block listed twice, so the listing stands after its repair; it is
+# counted and logged at the read that first finds it, not again at every read while it stands.
+_standing: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+_DOUBLE = frozenset(("listed_twice", "two_managers"))
 
 
 def audit_holders(
@@ -108,7 +113,9 @@ def audit_holders(
     managers = [m for m in coordinator.single_type_managers if not _index.unpins(type(m))]
     found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
-        _found(pool, managers, found, policy(pool))
+        _found(pool, managers, found, policy(pool), full=only is None)
+    elif only is None:
+        _not_standing(pool, [], {}, full=True)
     if index is not None and (only is None or not found):
         _rebuilt(pool, index)
     # Past the frees it read only once nothing was raised: a step retried after
@@ -148,11 +155,15 @@ def _rebuilt(pool: Any, index: _index.Index) -> bool:
     return True
 
 
-def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str) -> None:
+def _found(
+    pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str, full: bool = True
+) -> None:
     for kind, block in found:
         if kind == "bad_count":
             raise _errors.audit_bad_count(_report.named(block), block.ref_cnt, _report.where(pool))
     holders = _listers(managers, {id(block) for _, block in found})
+    if policy != "raise":
+        found = _not_standing(pool, found, holders, full)
     for kind, _ in found:
         _report.count_finding(kind)
     if policy == "raise":
@@ -192,6 +203,33 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
             done,
             where,
         )
+
+
+def _not_standing(
+    pool: Any, found: list[tuple[Any, Any]], holders: dict[int, list[Any]], full: bool
+) -> list[tuple[Any, Any]]:
+    """``found`` less the double listings a read before this one found and repaired, that
+    have nothing left to repair. A ``full`` read saw every listing: what it did not find no
+    longer stands."""
+    try:
+        before = _standing.get(pool) or set()
+    except TypeError:  # a pool no weak reference can name: every read counts
+        return found
+    now = {
+        (kind, block.block_id, tuple(holders[id(block)]))
+        for kind, block in found
+        if kind in _DOUBLE
+    }
+    if now or before:
+        _standing[pool] = now if full else before | now
+    return [
+        (kind, block)
+        for kind, block in found
+        if kind not in _DOUBLE
+        or (kind, block.block_id, tuple(holders[id(block)])) not in before
+        or block.prev_free_block is not None
+        or block.ref_cnt < len(holders[id(block)])
+    ]
 
 
 def hand_out(
