@@ -306,7 +306,8 @@ def main() -> int:
         print("vllm-tests: " + problem)
     verdict = "identical" if not problems else "DIFFERENT (or stale excluded.txt)"
     print(f"vllm-tests {release}: pass sets across {', '.join(twins)}: {verdict} ({seconds} s)")
-    mine = None if args.no_kvqueue_tests else kvqueue_tests(release, overlay, work, chosen == "quick")
+    quick = chosen == "quick"
+    mine = None if args.no_kvqueue_tests else kvqueue_tests(release, overlay, work, quick)
     summary = {"release": release, "suites": chosen, "counts": counts, "problems": problems,
                "seconds": seconds, "kvqueue_tests": mine}  # fmt: skip
     (work / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
