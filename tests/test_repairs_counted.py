@@ -277,7 +277,14 @@ def test_every_counter_an_engine_writes_is_driven_here() -> None:
 # holder index's rebuild; _audit's log through its _logged. A repair
 # logged anywhere else has no counter this file checks.
 LOGGED_BY = {
-    "_misuse", "log_notes", "_found", "enter", "hand_out", "touch_listed", "_logged", "_rebuilt"
+    "_misuse",
+    "log_notes",
+    "_found",
+    "enter",
+    "hand_out",
+    "touch_listed",
+    "_logged",
+    "_rebuilt",
 }
 _LOGS = re.compile(
     r"_log\.(?:queue_)?repaired\(|(?<!def )\b_logged\(|\blogger\.\w+\([^)]*repaired", re.S

@@ -194,8 +194,7 @@ def _found(
     _logged(
         pool,
         lines,
-        "kvqueue's holder audit repaired a shared block (%s #%d on this pool): block %s %s: "
-        "%s. %s",
+        "kvqueue's holder audit repaired a shared block (%s #%d on this pool): block %s %s: %s. %s",
     )
 
 
