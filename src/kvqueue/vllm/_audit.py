@@ -191,18 +191,11 @@ def _found(
         count = _report.count_repair(pool, kind, _registry.AUDIT_HOOK)
         done = ", ".join(steps) or "its ref_cnt covers its holders already; counted only"
         lines.append((kind, count, _report.named(block), what, done))
-    where = _report.where(pool)
-    for kind, count, name, what, done in lines:
-        _log.repaired(
-            "kvqueue's holder audit repaired a shared block (%s #%d on this pool): block %s "
-            "%s: %s. %s",
-            kind,
-            count,
-            name,
-            what,
-            done,
-            where,
-        )
+    _logged(
+        pool,
+        lines,
+        "kvqueue's holder audit repaired a shared block (%s #%d on this pool): block %s %s: %s. %s",
+    )
 
 
 def _not_standing(
@@ -267,14 +260,7 @@ def hand_out(
             refs = _rules.ref_count(pool, "get_new_blocks", block)
             what = _what("listed_free", block, listed)
             if policy(pool) == "raise":
-                _report.count_refusal("get_new_blocks", "listed_free")
-                raise _errors.listed_handed_out(
-                    _report.call("get_new_blocks"),
-                    _report.named(block),
-                    what,
-                    _released(block),
-                    _report.where(pool),
-                )
+                raise _refused(pool, "get_new_blocks", block, what, _errors.listed_handed_out)
             queue.remove(block)
             if block.prev_free_block is not None or block.next_free_block is not None:
                 raise _errors.held_stuck(
@@ -291,18 +277,13 @@ def hand_out(
             lines.append((count, _report.named(block), what, ", ".join(steps)))
         return call(num_blocks)
     finally:
-        where = _report.where(pool)
-        for count, name, what, done in lines:
-            _log.repaired(
-                "%s would have handed out a listed block (listed_free #%d on this pool): "
-                "block %s %s: %s. %s",
-                _report.call("get_new_blocks"),
-                count,
-                name,
-                what,
-                done,
-                where,
-            )
+        _logged(
+            pool,
+            lines,
+            "%s would have handed out a listed block (listed_free #%d on this pool): "
+            "block %s %s: %s. %s",
+            _report.call("get_new_blocks"),
+        )
 
 
 def touch_listed(
@@ -331,14 +312,7 @@ def touch_listed(
                 continue
             what = _what("listed_free", block, listed)
             if policy(pool) == "raise":
-                _report.count_refusal("touch", "listed_free")
-                raise _errors.listed_touched(
-                    _report.call("touch"),
-                    _report.named(block),
-                    what,
-                    _released(block),
-                    _report.where(pool),
-                )
+                raise _refused(pool, "touch", block, what, _errors.listed_touched)
             # A count lowered by hand leaves the block out of the list: nothing to unlink.
             done = "taken out of the free list, " if block.prev_free_block is not None else ""
             if done:
@@ -349,18 +323,13 @@ def touch_listed(
             lines.append((count, _report.named(block), what, done))
         return call(blocks)
     finally:
-        where = _report.where(pool)
-        for count, name, what, done in lines:
-            _log.repaired(
-                "%s would have given a listed block to a prefix hit (listed_free #%d on this "
-                "pool): block %s %s: %s. %s",
-                _report.call("touch"),
-                count,
-                name,
-                what,
-                done,
-                where,
-            )
+        _logged(
+            pool,
+            lines,
+            "%s would have given a listed block to a prefix hit (listed_free #%d on this "
+            "pool): block %s %s: %s. %s",
+            _report.call("touch"),
+        )
 
 
 def enter(
@@ -408,19 +377,32 @@ def enter(
             done += f", ref_cnt {_render.number(refs)} -> {len(listed)}"
         count = _report.count_repair(pool, kind, method)
         lines.append((kind, count, _report.named(block), _held(kind, block, listed), done))
-    where = _report.where(pool)
-    for kind, count, name, what, done in lines:
-        _log.repaired(
-            "%s would have queued a held block free (%s #%d on this pool): block %s %s: %s. %s",
-            call,
-            kind,
-            count,
-            name,
-            what,
-            done,
-            where,
-        )
+    _logged(
+        pool,
+        lines,
+        "%s would have queued a held block free (%s #%d on this pool): block %s %s: %s. %s",
+        call,
+    )
     return kept
+
+
+def _refused(
+    pool: Any, method: str, block: Any, what: str, error: Callable[..., Exception]
+) -> Exception:
+    """``error`` (``_errors``'s message of ``method``'s refusal) for the listed, free
+    ``block``, ``what`` saying who lists it; the refusal counted. O(1)."""
+    _report.count_refusal(method, "listed_free")
+    return error(
+        _report.call(method), _report.named(block), what, _released(block), _report.where(pool)
+    )
+
+
+def _logged(pool: Any, lines: list[tuple[Any, ...]], message: str, *first: Any) -> None:
+    """Each repair of ``lines`` logged under the rate limit: ``message`` formatted with
+    ``first``, the line's fields, then the pool and caller. O(len(lines))."""
+    where = _report.where(pool)
+    for fields in lines:
+        _log.repaired(message, *first, *fields, where)
 
 
 def _held(kind: str, block: Any, listed: list[tuple[str, Any]]) -> str:
