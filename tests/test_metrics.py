@@ -127,10 +127,7 @@ def scraped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         yield lambda: client.generate_latest(registry).decode()
     finally:
         _report.watch(None)
-        if _metrics._files is not None:
-            _metrics._files.counters.close()
-            _metrics._files.gauges.close()
-        _metrics._files = None
+        _metrics._engine = None
 
 
 def _value(text: str, sample: str) -> float:
@@ -199,3 +196,28 @@ def test_a_front_end_makes_its_directory_once(monkeypatch: pytest.MonkeyPatch) -
     assert os.environ[_env.METRICS_DIR] == made
     assert os.path.isdir(made)
     assert len(list(registry._collector_to_names)) == 1
+
+
+def test_prometheus_clients_own_mode_is_left_as_it_was(scraped: Any, tmp_path: Path) -> None:
+    """kvqueue's metrics are written in their own files; this process's other metrics keep
+    the values' class and the environment prometheus_client had."""
+    from prometheus_client import values
+
+    was = values.ValueClass
+    _as_engine(ACTIVE)
+    assert values.ValueClass is was
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert sorted(os.listdir(tmp_path)) == [
+        f"counter_kvqueue{os.getpid()}.db",
+        f"gauge_max_kvqueue{os.getpid()}.db",
+    ]
+
+
+def test_a_second_start_counts_nothing_twice(scraped: Any) -> None:
+    _report.count_refusal("unpin_blocks", "double_free")
+    _as_engine(ACTIVE)
+    first = scraped()
+    _as_engine(ACTIVE)
+    assert scraped() == first
+    refused = 'kvqueue_guard_refusals_total{engine="1",kind="double_free",method="unpin_blocks"'
+    assert _value(first, refused) == _report.events()[("refused", "unpin_blocks", "double_free")]
