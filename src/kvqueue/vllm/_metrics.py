@@ -47,6 +47,7 @@ __all__ = (
     "QUEUE_REPAIRS",
     "REFUSALS",
     "REPAIRS",
+    "Facts",
     "combinations",
     "start",
 )
@@ -127,7 +128,7 @@ _engine: _Engine | None = None
 _collected: set[str] = set()
 
 
-def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
+def combinations(guarded: Sequence[str], audit: bool) -> list[tuple[str, str, str]]:
     """Every (outcome, method, kind) the guard on ``guarded`` methods (and the audit) and
     kvqueue's queue can count, each written at 0 when an engine core starts."""
     # The free list's entry is checked where the holder index is kept: with the guard.
@@ -154,17 +155,47 @@ def combinations(guarded: list[str], audit: bool) -> list[tuple[str, str, str]]:
     return found
 
 
-def start(
-    info: dict[str, str],
-    *,
-    guarded: Sequence[str] = (),
-    audit: bool = False,
-    registry: Any = None,
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the plugin found in this process, for ``kvqueue_info`` and the counters:
+    ``reason`` why kvqueue is not active (None: it is active), and what runs when it is:
+    the ``twin``, the default policy (``on_misuse``), the vLLM line, the ``guarded``
+    methods, whether the ``holder_audit`` runs and its steps between full reads."""
+
+    vllm_version: str
+    reason: str | None = None
+    twin: str = ""
+    on_misuse: str = ""
+    vllm_line: str = ""
+    guarded: tuple[str, ...] = ()
+    holder_audit: bool = False
+    audit_every: int | None = None
+
+    def labels(self) -> dict[str, str]:
+        """The info gauge's labels (but the engine's), as a scrape shows them."""
+        if self.reason is not None:
+            return {
+                "state": "not active",
+                "reason": self.reason[:300],
+                "vllm_version": self.vllm_version,
+            }
+        return {
+            "state": "active",
+            "twin": self.twin,
+            "on_misuse": self.on_misuse,
+            "vllm_line": self.vllm_line,
+            "vllm_version": self.vllm_version,
+            "pool_guard": "on" if self.guarded else "off",
+            "holder_audit": "on" if self.holder_audit else "off",
+            "audit_every": "" if self.audit_every is None else str(self.audit_every),
+        }
+
+
+def start(facts: Facts, *, registry: Any = None) -> None:
     """The plugin's part: in an engine process (a ``VllmConfig`` on the calling stack), write
-    ``info`` (the info gauge's labels) and, when kvqueue is active, the counters of the
-    ``guarded`` methods and of the holder ``audit`` (if it runs); in a front end, make
-    kvqueue's directory and collect it on ``registry`` (prometheus_client's default). Never
+    the info gauge of ``facts`` and, when kvqueue is active, the counters of the guarded
+    methods and of the holder audit (if it runs); in a front end, make kvqueue's directory
+    and collect it on ``registry`` (prometheus_client's default). O(counters). Never
     raises: a metric that cannot be served is logged, and vLLM runs as it would without it."""
     try:
         import prometheus_client  # noqa: F401
@@ -175,7 +206,7 @@ def start(
         if labels is None:
             _collect(registry)
         else:
-            _publish(labels, info, guarded, audit)
+            _publish(labels, facts)
     except Exception as exc:  # metrics must never stop vLLM
         _log.logger.warning("kvqueue's metrics are not served: %s: %s", type(exc).__name__, exc)
 
@@ -219,24 +250,22 @@ def _collect(registry: Any) -> None:
         _collected.add(key)
 
 
-def _publish(
-    labels: tuple[str, str], info: dict[str, str], guarded: Sequence[str], audit: bool
-) -> None:
+def _publish(labels: tuple[str, str], facts: Facts) -> None:
     directory = _directory()
     if directory is None:  # no front end collects: nothing to write
         return
     engine = _made(directory, labels)
-    values = {**info, "engine": engine.engine, "model_name": engine.model_name}
+    values = {**facts.labels(), "engine": engine.engine, "model_name": engine.model_name}
     shown = tuple(values.get(name, "") for name in _INFO_LABELS)
     if engine.info_labels is not None and engine.info_labels != shown:
         engine.info.labels(*engine.info_labels).set(0)
     with _multiprocess(engine):
         engine.info.labels(*shown).set(1)
     engine.info_labels = shown
-    if info.get("state") != "active":
+    if facts.reason is not None:
         return
     counts = _report.events()
-    for event in combinations(list(guarded), audit):
+    for event in combinations(facts.guarded, facts.holder_audit):
         _write(*event, counts.get(event, 0))
     for event, count in counts.items():
         _write(*event, count)
