@@ -306,7 +306,10 @@ def _made(directory: str, labels: tuple[str, str]) -> _Engine:
 @contextlib.contextmanager
 def _multiprocess(engine: _Engine) -> Iterator[None]:
     """Make ``engine``'s children (a metric's value per labels) in multiprocess mode: in
-    ``engine``'s directory, with its values' class, whatever this process's are."""
+    ``engine``'s directory, with its values' class, whatever this process's are. A metric's
+    children take prometheus_client's class and directory of the moment they are made (it
+    offers no argument for either), so both are set for that moment only: at the engine
+    core's start, and when a counter no start wrote moves first."""
     from prometheus_client import values
 
     was_class, was_directory = values.ValueClass, os.environ.get(_MULTIPROC_DIR)
