@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -246,6 +247,20 @@ def test_a_plugin_vllm_does_not_call_is_not_said_to_install(tmp_path: Any) -> No
     assert "VLLM_PLUGINS='kvqueue': vLLM calls" in done.stdout
     assert "VLLM_PLUGINS unset" in run(**env).stdout
     _narrow(run(KVQUEUE_VLLM="1"))
+
+
+def test_the_counters_said_are_the_metrics_module_declares(tmp_path: Any) -> None:
+    """The plugin's line names each counter the metrics define, once, and no other."""
+    from kvqueue.vllm import _metrics
+
+    env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path), "VLLM_PLUGINS": "kvqueue"}
+    done = run(**env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = " ".join(done.stdout.split()).split("counters: ", 1)[1]
+    named = re.findall(r"kvqueue_\w+_total", said)
+    assert sorted(named) == sorted(f"{name}_total" for name in _metrics.COUNTERS)
+    assert f"{_metrics.INFO}: active)" in said
+    _narrow(done)
 
 
 def _versioned_vllm(root: Any, version: str) -> str:

@@ -19,17 +19,16 @@ from kvqueue.vllm._lines import LINES
 from support.fake_pool import guarded, make_pool
 
 NEWEST = LINES[-1]
-ACTIVE = {
-    "state": "active",
-    "twin": "cython",
-    "on_misuse": "repair",
-    "vllm_line": NEWEST.name,
-    "vllm_version": NEWEST.release,
-    "pool_guard": "on",
-    "holder_audit": "on",
-    "audit_every": "64",
-}
-GUARDED = ["free_blocks", "get_new_blocks", "touch", "unpin_blocks"]
+GUARDED = ("free_blocks", "get_new_blocks", "touch", "unpin_blocks")
+ACTIVE = _metrics.Facts(
+    NEWEST.release,
+    twin="cython",
+    on_misuse="repair",
+    vllm_line=NEWEST.name,
+    guarded=GUARDED,
+    holder_audit=True,
+    audit_every=64,
+)
 
 
 @pytest.fixture
@@ -109,10 +108,13 @@ class VllmConfig:
         served_model_name = "stub-model"
 
 
-def _as_engine(info: dict[str, str], dp_rank: int = 1) -> None:
+def _as_engine(facts: _metrics.Facts, dp_rank: int = 1) -> None:
     vllm_config = VllmConfig()  # noqa: F841 -- read from this frame, as from vLLM's engine start
-    active = info.get("state") == "active"
-    _metrics.start(info, guarded=GUARDED if active else (), audit=active)
+    _metrics.start(facts)
+
+
+def _not_active(reason: str) -> _metrics.Facts:
+    return _metrics.Facts(NEWEST.release, reason=reason)
 
 
 @pytest.fixture
@@ -122,15 +124,12 @@ def scraped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.setenv(_env.METRICS_DIR, str(tmp_path))
     registry = client.CollectorRegistry()
-    _metrics.start({}, registry=registry)
+    _metrics.start(ACTIVE, registry=registry)
     try:
         yield lambda: client.generate_latest(registry).decode()
     finally:
         _report.watch(None)
-        if _metrics._files is not None:
-            _metrics._files.counters.close()
-            _metrics._files.gauges.close()
-        _metrics._files = None
+        _metrics._engine = None
 
 
 def _value(text: str, sample: str) -> float:
@@ -159,7 +158,7 @@ def test_an_engines_counters_are_at_0_from_the_first_scrape_and_move(scraped: An
 
 
 def test_not_active_says_why(scraped: Any) -> None:
-    _as_engine({"state": "not active", "reason": "vLLM 9.9.9 is not accepted"})
+    _as_engine(_not_active("vLLM 9.9.9 is not accepted"))
     text = scraped()
     assert 'reason="vLLM 9.9.9 is not accepted"' in text
     assert 'state="not active"' in text
@@ -167,7 +166,7 @@ def test_not_active_says_why(scraped: Any) -> None:
 
 
 def test_a_switch_of_state_leaves_one_info_at_1(scraped: Any) -> None:
-    _as_engine({"state": "not active", "reason": "x"})
+    _as_engine(_not_active("x"))
     _as_engine(ACTIVE)
     rows = [row for row in scraped().splitlines() if row.startswith("kvqueue_info{")]
     assert sorted(float(row.rsplit(" ", 1)[1]) for row in rows) == [0.0, 1.0]
@@ -193,9 +192,62 @@ def test_a_front_end_makes_its_directory_once(monkeypatch: pytest.MonkeyPatch) -
     client = pytest.importorskip("prometheus_client")
     monkeypatch.delenv(_env.METRICS_DIR, raising=False)
     registry = client.CollectorRegistry()
-    _metrics.start({}, registry=registry)
+    _metrics.start(ACTIVE, registry=registry)
     made = os.environ[_env.METRICS_DIR]
-    _metrics.start({}, registry=registry)
+    _metrics.start(ACTIVE, registry=registry)
     assert os.environ[_env.METRICS_DIR] == made
     assert os.path.isdir(made)
     assert len(list(registry._collector_to_names)) == 1
+
+
+def test_prometheus_clients_own_mode_is_left_as_it_was(scraped: Any, tmp_path: Path) -> None:
+    """kvqueue's metrics are written in their own files; this process's other metrics keep
+    the values' class and the environment prometheus_client had."""
+    from prometheus_client import values
+
+    was = values.ValueClass
+    _as_engine(ACTIVE)
+    assert values.ValueClass is was
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert sorted(os.listdir(tmp_path)) == [
+        f"counter_kvqueue{os.getpid()}.db",
+        f"gauge_max_kvqueue{os.getpid()}.db",
+    ]
+
+
+def test_a_second_start_counts_nothing_twice(scraped: Any) -> None:
+    _report.count_refusal("unpin_blocks", "double_free")
+    _as_engine(ACTIVE)
+    first = scraped()
+    _as_engine(ACTIVE)
+    assert scraped() == first
+    refused = 'kvqueue_guard_refusals_total{engine="1",kind="double_free",method="unpin_blocks"'
+    assert _value(first, refused) == _report.events()[("refused", "unpin_blocks", "double_free")]
+
+
+def test_the_plugin_hands_the_metrics_what_status_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values, not text: the info gauge's labels are made from them, here only."""
+    from kvqueue.vllm import _plugin
+
+    monkeypatch.setenv("KVQUEUE_ON_MISUSE", "repair")
+    status = {
+        "implementation": "python",
+        "on_misuse": None,
+        "line": NEWEST.name,
+        "guarded": ["free_blocks", "touch"],
+        "holder_audit": False,
+        "audit_every": None,
+    }
+    facts = _plugin._active(status)
+    assert facts.guarded == ("free_blocks", "touch")
+    assert (facts.holder_audit, facts.audit_every) == (False, None)
+    labels = facts.labels()
+    assert (labels["on_misuse"], labels["pool_guard"], labels["holder_audit"]) == (
+        "repair",
+        "on",
+        "off",
+    )
+    assert labels["audit_every"] == ""
+    assert _metrics.combinations(facts.guarded, facts.holder_audit) == _metrics.combinations(
+        ["free_blocks", "touch"], False
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -529,6 +530,33 @@ def test_install_policy_switches_and_restores(fake: FakeVllm, queue_mod: ModuleT
     assert fake.pool.BlockPool(2).free_block_queue.on_misuse == "raise"
     kv_vllm.uninstall()
     assert fake.bindings() == (VllmQueue, VllmQueue)
+
+
+def test_status_says_each_live_pools_policy(fake: FakeVllm, queue_mod: ModuleType) -> None:
+    """A pool keeps the policy it was built under, which its guard follows and status() says,
+    whatever install() said since; a pool that is gone is not said."""
+    impl = _implementation(queue_mod)
+    gc.collect()
+    was = kv_vllm.status()["pools"]
+    kv_vllm.install(impl, on_misuse="repair")
+    repairing = fake.pool.BlockPool(4)
+    kv_vllm.install(impl, on_misuse="raise")
+    raising = fake.pool.BlockPool(2)
+    assert kv_vllm.status()["on_misuse"] == "raise"
+    assert kv_vllm.status()["pools"] == [
+        *was,
+        {"on_misuse": "repair", "blocks": 4},
+        {"on_misuse": "raise", "blocks": 2},
+    ]
+    (block,) = repairing.get_new_blocks(1)
+    repairing.free_blocks([block, block])
+    assert kv_vllm.pool_repairs(repairing)["double_free"] == 1
+    (block,) = raising.get_new_blocks(1)
+    with pytest.raises(ValueError, match="double free"):
+        raising.free_blocks([block, block])
+    del repairing
+    gc.collect()
+    assert kv_vllm.status()["pools"] == [*was, {"on_misuse": "raise", "blocks": 2}]
 
 
 def test_install_policy_refused(fake: FakeVllm) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import kvqueue
 
 from . import _env, _twin
-from .vllm import _foreign, _lines, _plugin, _registry
+from .vllm import _foreign, _lines, _metrics, _plugin, _registry
 
 
 def report() -> tuple[dict[str, Any], list[str]]:
@@ -246,11 +246,8 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
         )
     if plan["action"] in ("install", "stay_off") and plan["called_by_vllm"]:
         said = "active)" if plan["action"] == "install" else "not active, and why)"
-        counters = (
-            "counters: vllm serve's /metrics, per engine (kvqueue_guard_refusals_total, "
-            "kvqueue_guard_repairs_total, kvqueue_audit_findings_total, "
-            f"kvqueue_queue_repairs_total; kvqueue_info: {said}"
-        )
+        names = ", ".join(f"{name}_total" for name in _metrics.COUNTERS)
+        counters = f"counters: vllm serve's /metrics, per engine ({names}; {_metrics.INFO}: {said}"
         _say(counters, first="  ", more="    ")
     for problem in problems:
         _say(f"problem: {problem}")

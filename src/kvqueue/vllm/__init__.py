@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -80,15 +81,21 @@ class _QueueName(type):
         block_type: type | None = None,
         on_misuse: _policy.MisusePolicy | None = None,
     ) -> Any:
-        """kvqueue's queue of ``blocks``; O(len(blocks)). Raises as its constructor does."""
+        """kvqueue's queue of ``blocks`` for a vLLM pool, recorded for :func:`status`;
+        O(len(blocks)). Its policy is decided here, once for the pool: ``on_misuse``, else
+        install()'s, else ``KVQUEUE_ON_MISUSE`` now; the queue keeps it, and the pool's guard
+        reads it there. Raises as the queue's constructor does, and ValueError for a bad
+        ``KVQUEUE_ON_MISUSE``."""
         if block_type is None:
             if not isinstance(blocks, (list, tuple)):
                 blocks = list(blocks)
             if not blocks:
                 block_type = cls.block_type
         if on_misuse is None:
-            on_misuse = cls.policy.default
-        return cls.queue_class(blocks, block_type=block_type, on_misuse=on_misuse)
+            on_misuse = _policy.resolve(cls.policy.default)
+        queue = cls.queue_class(blocks, block_type=block_type, on_misuse=on_misuse)
+        _pools[queue] = queue.num_free_blocks
+        return queue
 
     def __instancecheck__(cls, instance: Any) -> bool:
         return isinstance(instance, cls.queue_class)
@@ -98,6 +105,11 @@ class _QueueName(type):
 
     def __getattr__(cls, name: str) -> Any:
         return getattr(cls.queue_class, name)
+
+
+# The queues built for vLLM's pools, weakly, each with the blocks it was built with: a pool's
+# entry goes with its queue.
+_pools: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def _queue_name(queue_class: type, block_type: type, policy: _pool_guard.PoolPolicy) -> _QueueName:
@@ -405,6 +417,10 @@ def status() -> dict[str, Any]:
     ``holder_audit``: whether each scheduler step starts with the holder audit (it follows
     the pool guard), and ``audit_every``: the steps between its full reads, as the last
     :func:`install` read ``KVQUEUE_AUDIT_EVERY`` (None without the audit).
+    ``pools``: each live pool whose queue kvqueue built for vLLM, oldest first, with the
+    policy its guard follows (``on_misuse``, decided when the pool was built, kept after an
+    :func:`uninstall` or another install) and the blocks it was built with (``blocks``).
+    O(pools).
     """
     state = _installed
     guarded: list[str] = []
@@ -423,6 +439,10 @@ def status() -> dict[str, Any]:
         "bypassed": bypassed,
         "holder_audit": bool(audited),
         "audit_every": state.policy.every if state is not None and audited else None,
+        "pools": [
+            {"on_misuse": queue.on_misuse, "blocks": blocks}
+            for queue, blocks in list(_pools.items())
+        ],
     }
 
 

@@ -137,7 +137,7 @@ def plugin() -> None:
         _metrics.start(_not_active(str(exc)))
         return
     after = vllm.status()
-    _metrics.start(_active(after), guarded=after["guarded"], audit=after["holder_audit"])
+    _metrics.start(_active(after))
     if after != before:
         import kvqueue
 
@@ -154,22 +154,21 @@ def plugin() -> None:
         )
 
 
-def _active(status: dict[str, Any]) -> dict[str, str]:
-    """The labels of ``kvqueue_info`` for what ``status()`` says is installed."""
-    return {
-        "state": "active",
-        "twin": status["implementation"],
-        "on_misuse": status["on_misuse"] or _policy.resolve(None),
-        "vllm_line": status["line"],
-        "vllm_version": _vllm_version(),
-        "pool_guard": "on" if status["pool_guard"] else "off",
-        "holder_audit": "on" if status["holder_audit"] else "off",
-        "audit_every": "" if status["audit_every"] is None else str(status["audit_every"]),
-    }
+def _active(status: dict[str, Any]) -> _metrics.Facts:
+    """What ``status()`` says is installed, for the metrics."""
+    return _metrics.Facts(
+        _vllm_version(),
+        twin=status["implementation"],
+        on_misuse=status["on_misuse"] or _policy.resolve(None),
+        vllm_line=status["line"],
+        guarded=tuple(status["guarded"]),
+        holder_audit=status["holder_audit"],
+        audit_every=status["audit_every"],
+    )
 
 
-def _not_active(reason: str) -> dict[str, str]:
-    return {"state": "not active", "reason": reason[:300], "vllm_version": _vllm_version()}
+def _not_active(reason: str) -> _metrics.Facts:
+    return _metrics.Facts(_vllm_version(), reason=reason)
 
 
 def _vllm_version() -> str:
