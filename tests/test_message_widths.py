@@ -107,15 +107,7 @@ def _too_wide(text: str) -> list[str]:
     return [line for line in text.splitlines() if len(line) > WIDTH]
 
 
-# Not yet: the pool guard's and the audit's messages end with the pool and the caller (over
-# 100 columns on their own), and this suite and vllm_tests/ match those messages on one line.
-FITTING = {"misuse_sentinel", "misuse_other_pool", "too_many"}
-ONE_LINE = pytest.mark.xfail(reason="one line each until their tests match them wrapped")
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(name, marks=() if name in FITTING else ONE_LINE) for name in RAISED]
-)
+@pytest.mark.parametrize("name", RAISED)
 def test_each_exception_fits_as_a_traceback_prints_it(name: str) -> None:
     exc = RAISED[name]()
     shown = "".join(traceback.format_exception_only(type(exc), exc))

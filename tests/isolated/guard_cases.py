@@ -14,6 +14,7 @@ from typing import Any
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, screen_of
+from support.helpers import one_line
 
 NEWEST = LINES[-1]
 
@@ -39,7 +40,7 @@ def _raises(call: Callable[[], object], kind: type[Exception], text: str) -> Non
     try:
         call()
     except kind as exc:
-        message = str(exc)
+        message = one_line(exc)
     else:
         raise AssertionError(f"no {kind.__name__}: {text}")
     if text not in message:
