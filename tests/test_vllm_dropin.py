@@ -20,8 +20,8 @@ from kvqueue.vllm import _audit, _lines, _plugin
 from kvqueue.vllm._lines import LINES, Line, find
 
 from support.blocks import layout
-from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
 from support.helpers import raises_said
+from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
 
 # The versions these tests name, all from the lines' table: the newest line, a release one
 # line newer (not accepted yet) and one line older than the oldest (not accepted).
@@ -438,9 +438,7 @@ def test_foreign_queue_method_refused_unless_asked(fake: FakeVllm) -> None:
     def append_n(self: Any, blocks: Any) -> None: ...
 
     fake.monkeypatch.setattr(VllmQueue, "append_n", append_n)
-    with raises_said(
-        kv_vllm.VLLMLayoutError, r"FreeKVCacheBlockQueue.append_n .*test_vllm_dropin"
-    ):
+    with raises_said(kv_vllm.VLLMLayoutError, r"FreeKVCacheBlockQueue.append_n .*test_vllm_dropin"):
         kv_vllm.install("python")
     assert fake.bindings() == (VllmQueue, VllmQueue)
     from kvqueue._queue_py import FreeKVCacheBlockQueue as Pure

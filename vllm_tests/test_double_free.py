@@ -45,8 +45,9 @@ with warnings.catch_warnings():
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.block_pool import BlockPool
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
-from kvqueue.vllm._lines import find  # noqa: E402
 from said import one_line, raises_said  # noqa: E402
+
+from kvqueue.vllm._lines import find  # noqa: E402
 
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
@@ -215,7 +216,9 @@ def test_kvqueue_refuses_the_second_free(kind, monkeypatch):
     )
     with raises_said(ValueError, message) as refused:
         second_free()
-    assert re.search(r"called from \S*/test_double_free.py:\d+ in <lambda>$", one_line(refused.value))
+    assert re.search(
+        r"called from \S*/test_double_free.py:\d+ in <lambda>$", one_line(refused.value)
+    )
     # Refused before vLLM's own method ran: the state the bug made, unchanged.
     assert blocks[0].ref_cnt == 1
     assert linked_ids(pool).count(blocks[0].block_id) == 1
@@ -246,9 +249,7 @@ def test_unpin_after_free_links_the_block_twice(kind, monkeypatch):
         assert pool.get_num_free_blocks() == len(truly_free(pool)) + 1
         assert blocks[1].prev_free_block is blocks[1]  # append_n linked it after itself
     else:
-        with raises_said(
-            ValueError, rf"unpin_blocks\(\) was given block {blocks[1].block_id} "
-        ):
+        with raises_said(ValueError, rf"unpin_blocks\(\) was given block {blocks[1].block_id} "):
             pool.unpin_blocks([blocks[1]], on_reuse=lambda block: None)
         assert blocks[1].ref_cnt == 1
 
@@ -354,9 +355,7 @@ def test_guard_refuses_the_duplicate_at_the_faulty_call(kind, monkeypatch):
     pool = new_pool(kind, "raise", monkeypatch)
     (block,) = pool.get_new_blocks(1)
     before = linked_ids(pool)
-    with raises_said(
-        ValueError, rf"free_blocks\(\) was given block {block.block_id} 2 time"
-    ):
+    with raises_said(ValueError, rf"free_blocks\(\) was given block {block.block_id} 2 time"):
         pool.free_blocks([block, block])
     assert block.ref_cnt == 1
     assert linked_ids(pool) == before

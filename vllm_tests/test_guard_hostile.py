@@ -22,9 +22,10 @@ with warnings.catch_warnings():
     from vllm.v1.core.block_pool import BlockPool
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
 
+from said import one_line, raises_said  # noqa: E402
+
 from kvqueue.vllm import _pool_guard  # noqa: E402
 from kvqueue.vllm._lines import find  # noqa: E402
-from said import one_line, raises_said  # noqa: E402
 
 LINE = find(vllm.__version__)
 KVQUEUE = ["cython", "python"]

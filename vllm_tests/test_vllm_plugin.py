@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from said import one_line  # noqa: E402
+from said import one_line
 
 PROBE = textwrap.dedent(
     """

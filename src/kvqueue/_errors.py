@@ -16,7 +16,6 @@ from ._block import is_subtype, layout_change
 from ._policy import QueueMisuse
 from ._render import describe, number, plural, times, type_name, vllm_repr, wrap
 
-
 _E = TypeVar("_E", bound=BaseException)
 
 
@@ -224,7 +223,8 @@ HEAD_LOST = "next_free_block of fake_free_list_head should always exist"
 def too_many(n: int, num_free_blocks: int) -> AssertionError:
     return _said(
         AssertionError,
-        f"popleft_n({number(n)}) asked for more blocks than the {number(num_free_blocks)} free ones",
+        f"popleft_n({number(n)}) asked for more blocks than the {number(num_free_blocks)} "
+        "free ones",
     )
 
 
@@ -248,7 +248,9 @@ def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
             f", whose class redefines {changed} (the queue reads and writes "
             f"{type_name(block_type)}'s own)"
         )
-    return _said(TypeError, f"{where}: expected a {type_name(block_type)}, got {describe(obj)}{why}")
+    return _said(
+        TypeError, f"{where}: expected a {type_name(block_type)}, got {describe(obj)}{why}"
+    )
 
 
 def corrupted(method: str, obj: object) -> RuntimeError:

@@ -10,7 +10,6 @@ from operator import is_
 from types import ModuleType
 from typing import Any
 
-
 from kvqueue import KVCacheBlock
 
 from support.helpers import check_queue, raises_said, snapshot
