@@ -45,9 +45,9 @@ with warnings.catch_warnings():
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.block_pool import BlockPool
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
-from said import one_line, raises_said  # noqa: E402
-
 from kvqueue.vllm._lines import find  # noqa: E402
+
+from support.helpers import one_line, raises_said  # noqa: E402
 
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"

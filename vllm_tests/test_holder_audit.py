@@ -30,9 +30,10 @@ pytest.importorskip("kvqueue.vllm")
 
 import hub
 import sdist
-from said import one_line
 
 from kvqueue.vllm._lines import find
+
+from support.helpers import one_line
 
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"

@@ -33,9 +33,10 @@ import vllm
 
 # vllm_tests/ is on sys.path: pytest inserts a test file's directory (no __init__.py here).
 from live import JOURNAL, driver, model
-from said import one_line
 
 from kvqueue.vllm import _lines
+
+from support.helpers import one_line
 
 TWINS = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
 #: KVQUEUE_VLLM for each twin: "1" is what a user sets, and picks the compiled twin.

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from said import one_line
+from support.helpers import one_line
 
 PROBE = textwrap.dedent(
     """
