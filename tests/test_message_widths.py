@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvqueue import KVCacheBlock, _errors, _log, _policy, _twin
+from kvqueue import KVCacheBlock, _errors, _log, _policy, _render, _twin
 from kvqueue.vllm import _audit, _lines, _report
+
+from support.helpers import one_line
 
 WIDTH = 100
 # A caller as _report names it: an installed vLLM's module, a high line, a long function.
@@ -112,6 +114,32 @@ def test_each_exception_fits_as_a_traceback_prints_it(name: str) -> None:
     exc = RAISED[name]()
     shown = "".join(traceback.format_exception_only(type(exc), exc))
     assert not _too_wide(shown), shown
+
+
+# The pool guard's and the holder audit's: each ends with the pool and the caller.
+IN_POOL = [
+    name
+    for name in RAISED
+    if name.split("_")[0] in {"double", "stray", "ref", "touch", "held", "audit", "listed"}
+]
+
+
+def test_the_pool_and_the_caller_end_the_guards_and_the_audits_messages_on_their_own_line() -> None:
+    assert len(IN_POOL) == 13
+    for name in IN_POOL:
+        said = str(RAISED[name]())
+        pool = WHERE.partition("; ")[0]
+        assert f"\n{pool}; " in said, said
+        assert one_line(said).endswith(f". {WHERE}"), said
+
+
+def test_a_message_wrapped_keeps_its_words() -> None:
+    """Read as one line, a wrapped message is the text it was made from, word for word."""
+    text = f"{CALL} was given block {BLOCK}. {RELEASED * 3}".rstrip()
+    for lead in (0, len("ValueError: "), len("kvqueue._errors.HolderAuditError: ")):
+        wrapped = _render.wrap(text, lead)
+        assert "\n" in wrapped
+        assert one_line(wrapped) == text
 
 
 def test_a_missing_compiled_twin_is_said_in_lines_that_fit(
