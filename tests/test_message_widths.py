@@ -257,6 +257,20 @@ def test_any_record_of_kvqueues_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> N
     assert " ".join(records[0].getMessage().split()).endswith(" ".join((WHERE * 3).split()))
 
 
+def test_an_exceptions_message_in_a_record_flows_as_one_paragraph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Wrapped for its traceback, then put after a record's own words (why kvqueue stays
+    off): its lines flow again, none left short where the traceback's type was."""
+    monkeypatch.setattr(_log, "_window_start", float("-inf"))
+    exc = RAISED["not_accepted_older"]()
+    with _records() as records:
+        _log.logger.warning("kvqueue stays off (%s=auto): %s", "KVQUEUE_VLLM", exc)
+    _assert_fit(records, 1)
+    flowed = _render.wrap(f"kvqueue stays off (KVQUEUE_VLLM=auto): {one_line(exc)}")
+    assert records[0].getMessage() == flowed
+
+
 def test_python_m_kvqueue_prints_lines_that_fit(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
