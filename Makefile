@@ -128,7 +128,8 @@ bench-engine:
 	    && $(WITH_VLLM_TESTS) "$$venv/bin/python" bench/throughput.py $(BENCH_ARGS)
 
 # vLLM's own tests three ways: its queue, kvqueue's twins, then kvqueue's tests against the
-# real vLLM (vllm_tests/run.py; VLLM_TESTS_ARGS=--quick: three suites). An older line
+# real vLLM (vllm_tests/run.py; VLLM_TESTS_ARGS=--quick: three of vLLM's files, and kvqueue's
+# tests but the live engines). An older line
 # (VLLM=0.31.0) runs its tests/v1/core, then the double-free tests on it (the live engine is
 # make demo's).
 VLLM ?= $(VLLM_VERSION)

@@ -188,7 +188,8 @@ def _compiled(root: Path) -> list[str]:
 
 def baseline_module(rev: str, name: str) -> str:
     """Make ``kvqueue_base`` at ``rev`` importable (built once, about half a minute); the full
-    name of its module ``name`` (``"_queue"`` or ``"_screen"``, wherever that commit has it)."""
+    name of its module ``name`` (``"_queue"``, ``"_queue_py"`` or ``"_screen"``, wherever that
+    commit has it)."""
     commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
     root = sdist.cache_dir() / "baseline" / commit
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
@@ -211,5 +212,6 @@ def baseline_module(rev: str, name: str) -> str:
     # import one another (``from kvqueue_base import ...``) as the installed kvqueue's do.
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    found = next(m for m in _compiled(root / BASE) if m.rpartition("/")[2] == name)
+    # A compiled module where that commit has it; the pure twin always beside the package's root.
+    found = next((m for m in _compiled(root / BASE) if m.rpartition("/")[2] == name), name)
     return f"{BASE}.{found.replace('/', '.')}"

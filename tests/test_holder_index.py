@@ -81,6 +81,16 @@ def stand_in_pool(n: int) -> Any:
     return Pool(n)
 
 
+def indexed(managers: type) -> tuple[Any, Any, _index.Index]:
+    """A stand-in pool of 4 blocks, a manager of ``managers`` (guarded) built on it, and the
+    holder index that manager's construction gave the pool."""
+    pool = stand_in_pool(4)
+    made = managers(pool)
+    index = _index.index_of(pool)
+    assert index is not None
+    return pool, made, index
+
+
 def test_a_manager_built_after_the_guard_counts_and_one_before_does_not(
     managers: type,
 ) -> None:
@@ -98,10 +108,7 @@ def test_a_manager_built_after_the_guard_counts_and_one_before_does_not(
 
 
 def test_a_list_put_in_by_hand_is_kept_as_it_is_and_uncounted(managers: type) -> None:
-    pool = stand_in_pool(4)
-    made = managers(pool)
-    index = _index.index_of(pool)
-    assert index is not None
+    pool, made, index = indexed(managers)
     mine = [pool.blocks[1]]
     made.req_to_blocks["A"] = mine
     assert made.req_to_blocks.pop("A") is mine
@@ -226,10 +233,7 @@ def test_the_counts_follow_every_change(managers: type, seed: int) -> None:
 
 
 def test_a_copy_is_in_no_table_and_counts_nothing(managers: type) -> None:
-    pool = stand_in_pool(4)
-    made = managers(pool)
-    index = _index.index_of(pool)
-    assert index is not None
+    pool, made, index = indexed(managers)
     made.req_to_blocks["A"].extend(pool.blocks[1:3])
     copies = [
         copy.copy(made.req_to_blocks),
@@ -251,10 +255,7 @@ def test_a_copy_is_in_no_table_and_counts_nothing(managers: type) -> None:
 
 
 def test_a_change_out_of_sight_is_found_by_a_recount(managers: type) -> None:
-    pool = stand_in_pool(4)
-    made = managers(pool)
-    index = _index.index_of(pool)
-    assert index is not None
+    pool, made, index = indexed(managers)
     made.req_to_blocks["A"].append(pool.blocks[1])
     dict.pop(made.req_to_blocks, "A")  # through dict itself: the index not told
     assert index.counts[1] == 1
@@ -455,6 +456,26 @@ def test_a_prefix_hit_on_a_listed_block_in_the_free_list(
     assert _report.pool_repairs(pool)["listed_free"] == 1
     (record,) = [r for r in repair_log.records if "prefix hit" in r.message]
     assert "ref_cnt 0 -> 1" in " ".join(record.message.split())
+    consistent_with_holders(pool, table)
+
+
+def test_a_prefix_hit_on_a_listed_block_out_of_the_list_unlinks_nothing(
+    guarded_exit: Any, repair_log: Any
+) -> None:
+    """A count lowered by hand, the block never queued: the repair gives the listing its
+    reference back and asks the queue to unlink nothing (no queue repair counted)."""
+    policy, pool, manager = guarded_exit
+    if policy == "raise":
+        pytest.skip("the refusal is the same as for a block in the list")
+    table = manager.req_to_blocks
+    table["A"].extend(pool.get_new_blocks(1))
+    (block,) = table["A"]
+    block.ref_cnt -= 1
+    pool.touch([block])
+    table["B"].append(block)
+    assert block.ref_cnt == 2
+    assert pool.free_block_queue.repairs["not_linked"] == 0
+    assert _report.pool_repairs(pool)["listed_free"] == 1
     consistent_with_holders(pool, table)
 
 

@@ -18,7 +18,7 @@ import pytest
 from kvqueue import KVCacheBlock
 
 from support.fuzz_common import detached, well_formed
-from support.helpers import check_queue, one_line, snapshot
+from support.helpers import bound_queue, check_queue, one_line, snapshot
 from support.invalid_ops import CASES, Repair, with_policy
 from support.twins import both, twin
 
@@ -259,9 +259,7 @@ def test_repairs_is_a_fresh_dict_with_every_kind(queue_mod: ModuleType, policy: 
 def test_repairs_count_per_kind_and_old_snapshots_stay_as_they_were(
     queue_mod: ModuleType, repair_log: pytest.LogCaptureFixture
 ) -> None:
-    pool = object()
-    blocks = [KVCacheBlock(i, pool=pool) for i in range(4)]
-    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+    queue, blocks = bound_queue(queue_mod, 4, "repair")
     stranger = KVCacheBlock(9, pool=object())
     popped = queue.popleft_n(2)
     before = queue.repairs

@@ -19,7 +19,7 @@ from kvqueue import KVCacheBlock, _policy
 from kvqueue.vllm import _audit, _index, _metrics, _pool_guard, _registry, _report
 
 from support.fake_pool import guarded, line, make_pool, policy_of, screen_of
-from support.helpers import raises_said
+from support.helpers import bound_queue, raises_said
 
 NEWEST = line("0.34")
 SOURCES = Path(__file__).parents[1] / "src" / "kvqueue"
@@ -69,9 +69,7 @@ QUEUE_CALLS: dict[tuple[str, str], QueueCall] = {
 def test_each_repair_of_a_queue_moves_its_counter_once(
     queue_mod: ModuleType, method: str, kind: str, repair_log: pytest.LogCaptureFixture
 ) -> None:
-    pool = object()
-    blocks = [KVCacheBlock(i, pool=pool) for i in range(4)]
-    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+    queue, blocks = bound_queue(queue_mod, 4, "repair")
     taken = queue.popleft()
     before = _report.events()
     QUEUE_CALLS[method, kind](queue_mod, queue, blocks, taken)
@@ -83,9 +81,7 @@ def test_each_repair_of_a_queue_moves_its_counter_once(
 def test_a_repair_is_counted_when_the_log_is_past_its_limit(
     queue_mod: ModuleType, repair_log: pytest.LogCaptureFixture
 ) -> None:
-    pool = object()
-    blocks = [KVCacheBlock(i, pool=pool) for i in range(4)]
-    queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="repair")
+    queue, blocks = bound_queue(queue_mod, 4, "repair")
     before = _report.events()
     for _ in range(50):
         queue.append(blocks[1])
@@ -278,10 +274,21 @@ def test_every_counter_an_engine_writes_is_driven_here() -> None:
 
 # The functions that log a repair, each driven above: the queue's (both twins), the guard's
 # notes, the holder audit's, the free list's entry and exit (a prefix hit's included), the
-# holder index's rebuild. A repair
+# holder index's rebuild; _audit's log through its _logged. A repair
 # logged anywhere else has no counter this file checks.
-LOGGED_BY = {"_misuse", "log_notes", "_found", "enter", "hand_out", "touch_listed", "_rebuilt"}
-_LOGS = re.compile(r"_log\.(?:queue_)?repaired\(|\blogger\.\w+\([^)]*repaired", re.S)
+LOGGED_BY = {
+    "_misuse",
+    "log_notes",
+    "_found",
+    "enter",
+    "hand_out",
+    "touch_listed",
+    "_logged",
+    "_rebuilt",
+}
+_LOGS = re.compile(
+    r"_log\.(?:queue_)?repaired\(|(?<!def )\b_logged\(|\blogger\.\w+\([^)]*repaired", re.S
+)
 
 
 def test_every_place_that_logs_a_repair_is_driven_here() -> None:

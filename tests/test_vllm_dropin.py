@@ -657,19 +657,27 @@ def test_a_module_whose_getattr_raises_changes_nothing(
     assert kv_vllm.status()["guarded"] == []
 
 
-def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    fake = FakeVllm(monkeypatch, version=OLDER)
+def _auto_stays_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, version: str
+) -> tuple[FakeVllm, str]:
+    """The plugin under KVQUEUE_VLLM=auto on vLLM ``version``, checked to leave kvqueue off and
+    vLLM's queue bound, with one WARNING: the fake, and that WARNING's lines as one line."""
+    fake = FakeVllm(monkeypatch, version=version)
     monkeypatch.setenv(_env.VLLM, "auto")
     with caplog.at_level("WARNING", logger="kvqueue"):
         _plugin.plugin()
     assert kv_vllm.status()["implementation"] is None
     assert fake.bindings() == (VllmQueue, VllmQueue)
-    assert fake.pool.BlockPool.free_blocks.__module__ == POOL
     [record] = caplog.records
     assert record.levelname == "WARNING"
-    message = " ".join(record.getMessage().split())  # its lines, one line again
+    return fake, " ".join(record.getMessage().split())
+
+
+def test_plugin_auto_stays_off_on_a_line_it_does_not_accept(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake, message = _auto_stays_off(monkeypatch, caplog, OLDER)
+    assert fake.pool.BlockPool.free_blocks.__module__ == POOL
     assert "kvqueue stays off (KVQUEUE_VLLM=auto)" in message
     assert f"{LINES[0].name}, {LINES[1].name}" in message
     assert f"not vLLM {OLDER} ({_lines.OLDER})" in message
@@ -680,15 +688,7 @@ def test_plugin_auto_on_a_newer_vllm_says_what_and_how_to_check(
 ) -> None:
     """One WARNING: the version, the newest accepted line, and how to check for a kvqueue
     that accepts it; vLLM runs on, untouched."""
-    fake = FakeVllm(monkeypatch, version=NEWER)
-    monkeypatch.setenv(_env.VLLM, "auto")
-    with caplog.at_level("WARNING", logger="kvqueue"):
-        _plugin.plugin()
-    assert kv_vllm.status()["implementation"] is None
-    assert fake.bindings() == (VllmQueue, VllmQueue)
-    [record] = caplog.records
-    message = " ".join(record.getMessage().split())  # its lines, one line again
-    assert record.levelname == "WARNING"
+    _, message = _auto_stays_off(monkeypatch, caplog, NEWER)
     assert f"not vLLM {NEWER}: vLLM {NEWER} is newer than the newest line" in message
     assert f"({NEWEST.name}, proven at {NEWEST.release})" in message
     assert f"make vllm-line-check VLLM={NEWER}" in message

@@ -15,8 +15,9 @@ built a block pool.
 ``--suites``: ``full`` (the venv's line's default) runs every suite that builds a BlockPool or
 a Scheduler on the CPU (those the release has), ``core`` (an older line's default)
 tests/v1/core, ``quick`` (``--quick``) three files of it. Then kvqueue's own tests run on the
-line's vLLM (``--no-kvqueue-tests``: not), and the run's counts go to its ``summary.json``,
-which ``--table`` prints for every line.
+line's vLLM (``--no-kvqueue-tests``: not; ``quick`` and an older line: all but the live
+engines), and the run's counts go to its ``summary.json``, which ``--table`` prints for every
+line.
 """
 
 from __future__ import annotations
@@ -192,14 +193,16 @@ def unmatched(
     return stale
 
 
-def kvqueue_tests(release: str, overlay: Path | None, work: Path) -> dict[str, Any]:
+def kvqueue_tests(release: str, overlay: Path | None, work: Path, quick: bool) -> dict[str, Any]:
     """kvqueue's own tests on the line's real vLLM: all of vllm_tests/ on the venv's line;
-    on an older line the double-free tests (the live engine is ``make demo``'s).
+    on an older line, and with ``quick``, the double-free and holder tests (the live engines
+    take most of the full run's minutes; ``make demo`` runs one on any line).
     Their outcome, from pytest's JUnit XML."""
-    files = ["vllm_tests"] if overlay is None else [str(HERE / name) for name in LINE_TESTS]
+    whole = overlay is None and not quick
+    files = ["vllm_tests"] if whole else [str(HERE / name) for name in LINE_TESTS]
     # The venv's line runs the live engines too: two test files at a time (pytest-xdist, each
     # file on one worker, so that its engine runs stay shared), on CI's two cores.
-    spread = ["-n", "2", "--dist", "loadfile"] if overlay is None else []
+    spread = ["-n", "2", "--dist", "loadfile"] if whole else []
     xml = work / "vllm_tests.xml"
     xml.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=str(overlay or ""), VLLM_TARGET_DEVICE="cpu")
@@ -303,7 +306,8 @@ def main() -> int:
         print("vllm-tests: " + problem)
     verdict = "identical" if not problems else "DIFFERENT (or stale excluded.txt)"
     print(f"vllm-tests {release}: pass sets across {', '.join(twins)}: {verdict} ({seconds} s)")
-    mine = None if args.no_kvqueue_tests else kvqueue_tests(release, overlay, work)
+    quick = chosen == "quick"
+    mine = None if args.no_kvqueue_tests else kvqueue_tests(release, overlay, work, quick)
     summary = {"release": release, "suites": chosen, "counts": counts, "problems": problems,
                "seconds": seconds, "kvqueue_tests": mine}  # fmt: skip
     (work / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
 from importlib.metadata import version
 from typing import Any
 
@@ -57,19 +56,7 @@ needs_unpin = pytest.mark.skipif(not HAS_UNPIN, reason=f"vLLM {LINE.name} has no
 NUM_BLOCKS = 8  # the null block, and 7 a request can get
 KVQUEUE = ["cython", "python"]
 MODULES = {"cython": "kvqueue._queue", "python": "kvqueue._queue_py"}
-
-
-@pytest.fixture(autouse=True)
-def _install_state() -> Iterator[None]:
-    """Each test installs what it needs; what was installed before comes back after."""
-    was = kvqueue_vllm.status()
-    yield
-    if was["implementation"] is None:
-        kvqueue_vllm.uninstall()
-    else:
-        kvqueue_vllm.install(
-            was["implementation"], on_misuse=was["on_misuse"], pool_guard=was["pool_guard"]
-        )
+pytestmark = pytest.mark.usefixtures("kept_install")
 
 
 def new_pool(

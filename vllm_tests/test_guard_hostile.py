@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,17 +29,7 @@ from support.helpers import one_line, raises_said  # noqa: E402
 LINE = find(vllm.__version__)
 KVQUEUE = ["cython", "python"]
 SCREENS = {"cython": "kvqueue.vllm._screen", "python": "kvqueue.vllm._screen_py"}
-
-
-@pytest.fixture(autouse=True)
-def _installed() -> Iterator[None]:
-    was = kvqueue_vllm.status()
-    yield
-    kvqueue_vllm.uninstall()
-    if was["implementation"] is not None:
-        kvqueue_vllm.install(
-            was["implementation"], on_misuse=was["on_misuse"], pool_guard=was["pool_guard"]
-        )
+pytestmark = pytest.mark.usefixtures("kept_install")
 
 
 @pytest.fixture(autouse=True)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, screen_of
-from support.helpers import one_line
+from support.helpers import isolated_cases, one_line, run_case
 
 NEWEST = LINES[-1]
 
@@ -127,13 +126,7 @@ def finalizer_frees_during_a_repair(name: str) -> None:
         consistent(pool)
 
 
-CASES = (
-    "borrowed_slot_descriptor",
-    "held_block_of_a_reassigned_pool",
-    "held_block_with_a_cleared_link",
-    "finalizer_frees_during_a_repair",
-)
+CASES = isolated_cases(globals())
 
 if __name__ == "__main__":
-    case, twin = sys.argv[1:]
-    globals()[case](twin)
+    run_case(globals())

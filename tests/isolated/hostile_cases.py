@@ -10,7 +10,6 @@ import faulthandler
 import gc
 import importlib
 import logging
-import sys
 from contextlib import suppress
 from types import ModuleType
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from kvqueue import KVCacheBlock
 
 from support.fuzz_common import well_formed
-from support.helpers import one_line
+from support.helpers import isolated_cases, one_line, run_case
 
 
 class _PopOnCollect:
@@ -243,20 +242,7 @@ def repair_at_a_forgotten_end(name: str) -> None:
     faulthandler.cancel_dump_traceback_later()
 
 
-CASES = (
-    "constructor_reenters_init",
-    "collect_inside_popleft_n",
-    "collect_inside_get_all_free_blocks",
-    "collect_inside_append_n",
-    "collect_inside_prepend_n",
-    "collect_inside_a_batch_with_a_subclass_block",
-    "repr_finds_the_half_built_result",
-    "metaclass_lends_a_foreign_slot",
-    "constructor_shrinks_the_batch",
-    "dying_cursor_block_advances_the_cursor",
-    "repair_at_a_forgotten_end",
-)
+CASES = isolated_cases(globals())
 
 if __name__ == "__main__":
-    case, twin = sys.argv[1:]
-    globals()[case](twin)
+    run_case(globals())

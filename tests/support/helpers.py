@@ -12,10 +12,12 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
 from pathlib import Path
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 import pytest
+
+from kvqueue import KVCacheBlock
 
 Snapshot = tuple[int, tuple[tuple[int, int, int], ...]]
 
@@ -79,6 +81,14 @@ def raises_said(
 TESTS = Path(__file__).resolve().parent.parent
 
 
+def bound_queue(queue_mod: ModuleType, n: int, on_misuse: str) -> tuple[Any, list[Any]]:
+    """A queue of ``queue_mod``'s twin bound to a pool of its own, and its ``n`` blocks
+    (``block_id`` 0 to ``n - 1``), all free."""
+    pool = object()
+    blocks = [KVCacheBlock(i, pool=pool) for i in range(n)]
+    return queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse=on_misuse), blocks
+
+
 def link(queue: Any, method: str, blocks: list[Any]) -> None:
     """``blocks`` linked by the queue's ``method`` (``append``: one call a block)."""
     if method == "append":
@@ -100,6 +110,25 @@ def load_script(relative: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def isolated_cases(namespace: dict[str, Any]) -> tuple[str, ...]:
+    """The cases of a program of tests/isolated (its ``globals()``): the public functions it
+    defines, in order, each run as ``case(twin_module_name)``."""
+    return tuple(
+        name
+        for name, value in namespace.items()
+        if type(value) is FunctionType
+        and not name.startswith("_")
+        and value.__module__ == namespace["__name__"]
+    )
+
+
+def run_case(namespace: dict[str, Any]) -> None:
+    """A program of tests/isolated (its ``globals()``) run as ``python -m isolated.NAME CASE
+    TWIN``: its case ``CASE`` on the twin module ``TWIN``."""
+    case, twin = sys.argv[1:]
+    namespace[case](twin)
 
 
 def run_isolated(

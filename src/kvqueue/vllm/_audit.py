@@ -50,6 +50,11 @@ __all__ = ("audit_holders", "enter", "hand_out", "touch_listed")
 _places: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 # Holders named in a message, at most.
 _SHOWN = 4
+# Per pool, under repair: the double listings (kind, block id, holders) the last reads found.
+# A count cannot undo a block listed twice, so the listing stands after its repair; it is
+# counted and logged at the read that first finds it, not again at every read while it stands.
+_standing: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+_DOUBLE = frozenset(("listed_twice", "two_managers"))
 
 
 def audit_holders(
@@ -108,7 +113,9 @@ def audit_holders(
     managers = [m for m in coordinator.single_type_managers if not _index.unpins(type(m))]
     found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
-        _found(pool, managers, found, policy(pool))
+        _found(pool, managers, found, policy(pool), full=only is None)
+    elif only is None:
+        _not_standing(pool, [], {}, full=True)
     if index is not None and (only is None or not found):
         _rebuilt(pool, index)
     # Past the frees it read only once nothing was raised: a step retried after
@@ -148,11 +155,15 @@ def _rebuilt(pool: Any, index: _index.Index) -> bool:
     return True
 
 
-def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str) -> None:
+def _found(
+    pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy: str, full: bool = True
+) -> None:
     for kind, block in found:
         if kind == "bad_count":
             raise _errors.audit_bad_count(_report.named(block), block.ref_cnt, _report.where(pool))
     holders = _listers(managers, {id(block) for _, block in found})
+    if policy != "raise":
+        found = _not_standing(pool, found, holders, full)
     for kind, _ in found:
         _report.count_finding(kind)
     if policy == "raise":
@@ -180,18 +191,38 @@ def _found(pool: Any, managers: list[Any], found: list[tuple[Any, Any]], policy:
         count = _report.count_repair(pool, kind, _registry.AUDIT_HOOK)
         done = ", ".join(steps) or "its ref_cnt covers its holders already; counted only"
         lines.append((kind, count, _report.named(block), what, done))
-    where = _report.where(pool)
-    for kind, count, name, what, done in lines:
-        _log.repaired(
-            "kvqueue's holder audit repaired a shared block (%s #%d on this pool): block %s "
-            "%s: %s. %s",
-            kind,
-            count,
-            name,
-            what,
-            done,
-            where,
-        )
+    _logged(
+        pool,
+        lines,
+        "kvqueue's holder audit repaired a shared block (%s #%d on this pool): block %s %s: %s. %s",
+    )
+
+
+def _not_standing(
+    pool: Any, found: list[tuple[Any, Any]], holders: dict[int, list[Any]], full: bool
+) -> list[tuple[Any, Any]]:
+    """``found`` less the double listings a read before this one found and repaired, that
+    have nothing left to repair. A ``full`` read saw every listing: what it did not find no
+    longer stands."""
+    try:
+        before = _standing.get(pool) or set()
+    except TypeError:  # a pool no weak reference can name: every read counts
+        return found
+    now = {
+        (kind, block.block_id, tuple(holders[id(block)]))
+        for kind, block in found
+        if kind in _DOUBLE
+    }
+    if now or before:
+        _standing[pool] = now if full else before | now
+    return [
+        (kind, block)
+        for kind, block in found
+        if kind not in _DOUBLE
+        or (kind, block.block_id, tuple(holders[id(block)])) not in before
+        or block.prev_free_block is not None
+        or block.ref_cnt < len(holders[id(block)])
+    ]
 
 
 def hand_out(
@@ -229,14 +260,7 @@ def hand_out(
             refs = _rules.ref_count(pool, "get_new_blocks", block)
             what = _what("listed_free", block, listed)
             if policy(pool) == "raise":
-                _report.count_refusal("get_new_blocks", "listed_free")
-                raise _errors.listed_handed_out(
-                    _report.call("get_new_blocks"),
-                    _report.named(block),
-                    what,
-                    _released(block),
-                    _report.where(pool),
-                )
+                raise _refused(pool, "get_new_blocks", block, what, _errors.listed_handed_out)
             queue.remove(block)
             if block.prev_free_block is not None or block.next_free_block is not None:
                 raise _errors.held_stuck(
@@ -253,18 +277,13 @@ def hand_out(
             lines.append((count, _report.named(block), what, ", ".join(steps)))
         return call(num_blocks)
     finally:
-        where = _report.where(pool)
-        for count, name, what, done in lines:
-            _log.repaired(
-                "%s would have handed out a listed block (listed_free #%d on this pool): "
-                "block %s %s: %s. %s",
-                _report.call("get_new_blocks"),
-                count,
-                name,
-                what,
-                done,
-                where,
-            )
+        _logged(
+            pool,
+            lines,
+            "%s would have handed out a listed block (listed_free #%d on this pool): "
+            "block %s %s: %s. %s",
+            _report.call("get_new_blocks"),
+        )
 
 
 def touch_listed(
@@ -293,33 +312,24 @@ def touch_listed(
                 continue
             what = _what("listed_free", block, listed)
             if policy(pool) == "raise":
-                _report.count_refusal("touch", "listed_free")
-                raise _errors.listed_touched(
-                    _report.call("touch"),
-                    _report.named(block),
-                    what,
-                    _released(block),
-                    _report.where(pool),
-                )
-            queue.remove(block)
+                raise _refused(pool, "touch", block, what, _errors.listed_touched)
+            # A count lowered by hand leaves the block out of the list: nothing to unlink.
+            done = "taken out of the free list, " if block.prev_free_block is not None else ""
+            if done:
+                queue.remove(block)
             block.ref_cnt = len(listed)
             count = _report.count_repair(pool, "listed_free", "touch")
-            done = f"taken out of the free list, ref_cnt 0 -> {len(listed)}"
+            done += f"ref_cnt 0 -> {len(listed)}"
             lines.append((count, _report.named(block), what, done))
         return call(blocks)
     finally:
-        where = _report.where(pool)
-        for count, name, what, done in lines:
-            _log.repaired(
-                "%s would have given a listed block to a prefix hit (listed_free #%d on this "
-                "pool): block %s %s: %s. %s",
-                _report.call("touch"),
-                count,
-                name,
-                what,
-                done,
-                where,
-            )
+        _logged(
+            pool,
+            lines,
+            "%s would have given a listed block to a prefix hit (listed_free #%d on this "
+            "pool): block %s %s: %s. %s",
+            _report.call("touch"),
+        )
 
 
 def enter(
@@ -367,19 +377,32 @@ def enter(
             done += f", ref_cnt {_render.number(refs)} -> {len(listed)}"
         count = _report.count_repair(pool, kind, method)
         lines.append((kind, count, _report.named(block), _held(kind, block, listed), done))
-    where = _report.where(pool)
-    for kind, count, name, what, done in lines:
-        _log.repaired(
-            "%s would have queued a held block free (%s #%d on this pool): block %s %s: %s. %s",
-            call,
-            kind,
-            count,
-            name,
-            what,
-            done,
-            where,
-        )
+    _logged(
+        pool,
+        lines,
+        "%s would have queued a held block free (%s #%d on this pool): block %s %s: %s. %s",
+        call,
+    )
     return kept
+
+
+def _refused(
+    pool: Any, method: str, block: Any, what: str, error: Callable[..., Exception]
+) -> Exception:
+    """``error`` (``_errors``'s message of ``method``'s refusal) for the listed, free
+    ``block``, ``what`` saying who lists it; the refusal counted. O(1)."""
+    _report.count_refusal(method, "listed_free")
+    return error(
+        _report.call(method), _report.named(block), what, _released(block), _report.where(pool)
+    )
+
+
+def _logged(pool: Any, lines: list[tuple[Any, ...]], message: str, *first: Any) -> None:
+    """Each repair of ``lines`` logged under the rate limit: ``message`` formatted with
+    ``first``, the line's fields, then the pool and caller. O(len(lines))."""
+    where = _report.where(pool)
+    for fields in lines:
+        _log.repaired(message, *first, *fields, where)
 
 
 def _held(kind: str, block: Any, listed: list[tuple[str, Any]]) -> str:

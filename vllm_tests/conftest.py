@@ -1,0 +1,20 @@
+"""Fixtures that kvqueue's tests on the real vLLM share (pytest finds them here)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def kept_install() -> Iterator[None]:
+    """Each test installs what it needs; what was installed before comes back after."""
+    kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
+    was = kvqueue_vllm.status()
+    yield
+    kvqueue_vllm.uninstall()
+    if was["implementation"] is not None:
+        kvqueue_vllm.install(
+            was["implementation"], on_misuse=was["on_misuse"], pool_guard=was["pool_guard"]
+        )
