@@ -154,12 +154,17 @@ def call_in(message: str) -> str:
     return found.group(0) if found else "?"
 
 
+def one_line(event: dict[str, Any]) -> str:
+    """An event's message as one line: kvqueue wraps its messages to 100 columns."""
+    return " ".join(event["message"].split())
+
+
 def at_fault(run: Any) -> tuple[str, str]:
     """What the pool did with the double free: (one cell, the whole message or '')."""
-    refused = [e["message"] for e in run.events("refused")]
-    refused += [e["message"] for e in run.events("died") if "double free" in e["message"]]
-    audited = [e["message"] for e in run.events("died") if "holder audit" in e["message"]]
-    repaired = [e["message"] for e in run.events("log") if "repaired a" in e["message"]]
+    refused = [one_line(e) for e in run.events("refused")]
+    refused += [one_line(e) for e in run.events("died") if "double free" in one_line(e)]
+    audited = [one_line(e) for e in run.events("died") if "holder audit" in one_line(e)]
+    repaired = [one_line(e) for e in run.events("log") if "repaired a" in one_line(e)]
     violations = run.events("violation")
     if refused:
         return f"refused at {call_in(refused[0])}: ValueError", refused[0]

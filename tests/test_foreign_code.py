@@ -22,7 +22,7 @@ from kvqueue import KVCacheBlock
 
 from support.blocks import VllmStyleBlock
 from support.fuzz_common import well_formed
-from support.helpers import check_queue, snapshot
+from support.helpers import check_queue, raises_said, snapshot
 
 POLICIES = ("raise", "repair")
 
@@ -75,7 +75,7 @@ def test_a_raising_repr_is_never_called(
     other = RaisingRepr(9, pool=object())
     for method, call in _misuses(queue, blocks[1], other):
         if policy == "raise":
-            with pytest.raises((ValueError, RuntimeError), match=r"RaisingRepr\(block_id="):
+            with raises_said((ValueError, RuntimeError), r"RaisingRepr\(block_id="):
                 call()
         else:
             call()
@@ -90,15 +90,15 @@ def test_a_non_block_is_named_without_its_repr(queue_mod: ModuleType) -> None:
             raise KeyError("repr")
 
     queue = queue_mod.FreeKVCacheBlockQueue([KVCacheBlock(0)])
-    with pytest.raises(TypeError, match=r"^append\(\): expected a KVCacheBlock, got .*Hostile"):
+    with raises_said(TypeError, r"^append\(\): expected a KVCacheBlock, got .*Hostile"):
         queue.append(Hostile())
-    with pytest.raises(TypeError, match="got int an integer of 20001 bits"):
+    with raises_said(TypeError, "got int an integer of 20001 bits"):
         queue.remove(1 << 20_000)
 
 
 def test_a_huge_popleft_n_argument_is_named_in_bounds(queue_mod: ModuleType) -> None:
     queue = queue_mod.FreeKVCacheBlockQueue([KVCacheBlock(0)])
-    with pytest.raises(AssertionError, match="popleft_n\\(an integer of 20001 bits\\)"):
+    with raises_said(AssertionError, "popleft_n\\(an integer of 20001 bits\\)"):
         queue.popleft_n(1 << 20_000)
 
 

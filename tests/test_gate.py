@@ -9,7 +9,7 @@ import pytest
 
 from kvqueue import KVCacheBlock
 
-from support.helpers import check_queue, link
+from support.helpers import check_queue, link, raises_said
 
 LINKING = ("append", "append_n", "prepend_n")
 
@@ -100,7 +100,7 @@ def test_a_gate_may_use_the_queue(queue_mod: ModuleType, method: str) -> None:
 def test_the_queue_checks_what_the_gate_returns(queue_mod: ModuleType) -> None:
     queue, blocks = made(queue_mod, 3)
     queue.gate = lambda name, batch: [blocks[0]]  # linked already
-    with pytest.raises(ValueError, match="linked"):
+    with raises_said(ValueError, "linked"):
         queue.append_n([blocks[2]])
     queue.gate = lambda name, batch: 7
     with pytest.raises(TypeError):

@@ -30,6 +30,7 @@ from support.fake_pool import (
     screen_of,
     state,
 )
+from support.helpers import one_line, raises_said
 
 NEWEST = LINES[-1]
 
@@ -250,7 +251,7 @@ def test_raise_names_the_block_and_its_holder_and_changes_nothing(
     findings = _report.audit_findings()
     with pytest.raises(_errors.HolderAuditError) as caught:
         _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
-    message = str(caught.value)
+    message = one_line(caught.value)
     assert f"block {block.block_id} is in the free list (ref_cnt 0)" in message
     assert "request 'B' (FullAttentionManager)" in message
     assert "Nothing was changed" in message
@@ -273,7 +274,7 @@ def test_raise_names_the_guarded_free_that_released_the_block(queue_mod: ModuleT
         pool.free_blocks(table.pop("A")[::-1])
         with pytest.raises(_errors.HolderAuditError) as caught:
             _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
-    released = str(caught.value).split("It was last released by a free called from ")[1]
+    released = one_line(caught.value).split("It was last released by a free called from ")[1]
     site = f"tests/test_holder_audit.py:{line} in test_raise_names_the_guarded_free_that"
     assert released.split(". ")[0].endswith(site + "_released_the_block")
 
@@ -332,7 +333,7 @@ def test_a_count_that_is_no_integer_is_refused_under_either_policy(
     manager.coordinator.single_type_managers[0].req_to_blocks["A"] = [block]
     block.ref_cnt = "1"
     before = state(pool)
-    with pytest.raises(TypeError, match="ref_cnt of str '1', not an integer"):
+    with raises_said(TypeError, "ref_cnt of str '1', not an integer"):
         _audit.audit_holders(manager, screen_of(queue_mod), policy_of)
     assert state(pool) == before
 
@@ -437,7 +438,7 @@ def test_a_retried_step_raises_again_while_the_fault_stands(
     pool.free_blocks([block])  # A's only reference, released while A lists it
     before = state(pool)
     for _ in range(3):
-        with pytest.raises(_errors.HolderAuditError, match=f"block {block.block_id} is in the"):
+        with raises_said(_errors.HolderAuditError, f"block {block.block_id} is in the"):
             step(queue_mod, manager, 64)
         assert state(pool) == before
     # The fault gone (A's listing given up, its other blocks freed), the step passes.
@@ -457,7 +458,7 @@ def test_a_retried_full_read_raises_again(queue_mod: ModuleType, refusing: tuple
     second["A"] = first["A"][:1]
     step(queue_mod, manager, 2)
     for _ in range(3):
-        with pytest.raises(_errors.HolderAuditError, match="is listed by two managers"):
+        with raises_said(_errors.HolderAuditError, "is listed by two managers"):
             step(queue_mod, manager, 2)
     del second["A"]
     step(queue_mod, manager, 2)

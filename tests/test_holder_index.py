@@ -24,7 +24,7 @@ from kvqueue.vllm import _audit, _index, _pool_guard, _report
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, policy_of, screen_of, state
-from support.helpers import link
+from support.helpers import link, one_line, raises_said
 
 NEWEST = LINES[-1]
 
@@ -307,7 +307,7 @@ def test_a_listed_block_is_never_handed_out(guarded_exit: Any, repair_log: Any) 
             with pytest.raises(_errors.HolderAuditError) as caught:
                 pool.get_new_blocks(free)
             assert state(pool) == before
-        message = str(caught.value)
+        message = one_line(caught.value)
         said = f"BlockPool.get_new_blocks() would hand out block {block.block_id}, which is in"
         assert message.startswith(said)
         assert "request 'A' (FullAttentionManager) lists it" in message
@@ -340,7 +340,7 @@ def test_a_fault_made_after_the_audit_is_met_in_the_same_step(
     pool.free_blocks([block])  # after the audit, in the same step
     free = pool.free_block_queue.num_free_blocks
     if policy == "raise":
-        with pytest.raises(_errors.HolderAuditError, match=f"hand out block {block.block_id},"):
+        with raises_said(_errors.HolderAuditError, f"hand out block {block.block_id},"):
             pool.get_new_blocks(free)
         return
     assert all(each is not block for each in pool.get_new_blocks(free - 1))
@@ -443,7 +443,7 @@ def test_a_prefix_hit_on_a_listed_block_in_the_free_list(
         with pytest.raises(_errors.HolderAuditError) as caught:
             pool.touch([block])
         assert state(pool) == before
-        message = str(caught.value)
+        message = one_line(caught.value)
         said = f"BlockPool.touch() would give block {block.block_id}, which is in the free list"
         assert message.startswith(said)
         assert "request 'A' (FullAttentionManager) lists it, to a prefix hit" in message
@@ -503,7 +503,7 @@ def test_a_listed_block_released_by_hand_is_not_queued(
             with pytest.raises(_errors.HolderAuditError) as caught:
                 link(pool.free_block_queue, method, [block])
             assert state(pool) == before
-        message = str(caught.value)
+        message = one_line(caught.value)
         said = f"FreeKVCacheBlockQueue.{method}() would queue block {block.block_id} free, "
         assert message.startswith(said + "which request 'A' (FullAttentionManager) lists")
         assert "nothing was queued" in message
@@ -528,7 +528,7 @@ def test_a_held_block_is_not_queued_and_the_rest_of_its_batch_is(guarded_entry: 
     spare.ref_cnt = 0
     if policy == "raise":
         before = state(pool)
-        with pytest.raises(_errors.HolderAuditError, match="which holds 1 reference:"):
+        with raises_said(_errors.HolderAuditError, "which holds 1 reference:"):
             pool.free_block_queue.append_n([spare, held])
         assert state(pool) == before
         return
@@ -632,7 +632,7 @@ def test_between_full_reads_a_listed_block_freed_is_found_at_the_next_step(
         pool.free_blocks([block])  # A still lists it: a guarded free of a held reference
         if policy == "raise":
             for _ in range(2):  # and again, while the fault stands
-                with pytest.raises(_errors.HolderAuditError, match=f"block {block.block_id} is"):
+                with raises_said(_errors.HolderAuditError, f"block {block.block_id} is"):
                     _audit.audit_holders(kv, screen, policy_of, 64)
             return
         _audit.audit_holders(kv, screen, policy_of, 64)

@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvqueue import KVCacheBlock, _errors, _log, _policy, _twin
+from kvqueue import KVCacheBlock, _errors, _log, _policy, _render, _twin
 from kvqueue.vllm import _audit, _lines, _report
+
+from support.helpers import one_line
 
 WIDTH = 100
 # A caller as _report names it: an installed vLLM's module, a high line, a long function.
@@ -107,19 +109,37 @@ def _too_wide(text: str) -> list[str]:
     return [line for line in text.splitlines() if len(line) > WIDTH]
 
 
-# Not yet: the pool guard's and the audit's messages end with the pool and the caller (over
-# 100 columns on their own), and this suite and vllm_tests/ match those messages on one line.
-FITTING = {"misuse_sentinel", "misuse_other_pool", "too_many"}
-ONE_LINE = pytest.mark.xfail(reason="one line each until their tests match them wrapped")
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(name, marks=() if name in FITTING else ONE_LINE) for name in RAISED]
-)
+@pytest.mark.parametrize("name", RAISED)
 def test_each_exception_fits_as_a_traceback_prints_it(name: str) -> None:
     exc = RAISED[name]()
     shown = "".join(traceback.format_exception_only(type(exc), exc))
     assert not _too_wide(shown), shown
+
+
+# The pool guard's and the holder audit's: each ends with the pool and the caller.
+IN_POOL = [
+    name
+    for name in RAISED
+    if name.split("_")[0] in {"double", "stray", "ref", "touch", "held", "audit", "listed"}
+]
+
+
+def test_the_pool_and_the_caller_end_the_guards_and_the_audits_messages_on_their_own_line() -> None:
+    assert len(IN_POOL) == 13
+    for name in IN_POOL:
+        said = str(RAISED[name]())
+        pool = WHERE.partition("; ")[0]
+        assert f"\n{pool}; " in said, said
+        assert one_line(said).endswith(f". {WHERE}"), said
+
+
+def test_a_message_wrapped_keeps_its_words() -> None:
+    """Read as one line, a wrapped message is the text it was made from, word for word."""
+    text = f"{CALL} was given block {BLOCK}. {RELEASED * 3}".rstrip()
+    for lead in (0, len("ValueError: "), len("kvqueue._errors.HolderAuditError: ")):
+        wrapped = _render.wrap(text, lead)
+        assert "\n" in wrapped
+        assert one_line(wrapped) == text
 
 
 def test_a_missing_compiled_twin_is_said_in_lines_that_fit(
@@ -235,6 +255,20 @@ def test_any_record_of_kvqueues_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> N
         _log.repaired("%s repaired something new: %s", CALL, WHERE * 3)
     _assert_fit(records, 2)
     assert " ".join(records[0].getMessage().split()).endswith(" ".join((WHERE * 3).split()))
+
+
+def test_an_exceptions_message_in_a_record_flows_as_one_paragraph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Wrapped for its traceback, then put after a record's own words (why kvqueue stays
+    off): its lines flow again, none left short where the traceback's type was."""
+    monkeypatch.setattr(_log, "_window_start", float("-inf"))
+    exc = RAISED["not_accepted_older"]()
+    with _records() as records:
+        _log.logger.warning("kvqueue stays off (%s=auto): %s", "KVQUEUE_VLLM", exc)
+    _assert_fit(records, 1)
+    flowed = _render.wrap(f"kvqueue stays off (KVQUEUE_VLLM=auto): {one_line(exc)}")
+    assert records[0].getMessage() == flowed
 
 
 def test_python_m_kvqueue_prints_lines_that_fit(

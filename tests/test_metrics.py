@@ -17,6 +17,7 @@ from kvqueue.vllm import _metrics, _report
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import guarded, make_pool
+from support.helpers import raises_said
 
 NEWEST = LINES[-1]
 GUARDED = ("free_blocks", "get_new_blocks", "touch", "unpin_blocks")
@@ -50,7 +51,7 @@ def test_a_double_free_is_counted_by_outcome_method_and_kind(
             pool = make_pool(cls, queue_mod, 8, policy)
             (block,) = pool.get_new_blocks(1)
             if policy == "raise":
-                with pytest.raises(ValueError, match="double free"):
+                with raises_said(ValueError, "double free"):
                     pool.free_blocks([block, block])
             else:
                 pool.free_blocks([block, block])
@@ -66,11 +67,11 @@ def test_a_negative_count_refused_by_touch_and_get_new_blocks(queue_mod: ModuleT
         pool = make_pool(cls, queue_mod, 8, "raise")
         (block,) = pool.get_new_blocks(1)
         block.ref_cnt = -1
-        with pytest.raises(ValueError, match="double free"):
+        with raises_said(ValueError, "double free"):
             pool.touch([block])
         block.ref_cnt = 1
         pool.free_block_queue.append(block)  # held, and in the free list
-        with pytest.raises(ValueError, match="double free"):
+        with raises_said(ValueError, "double free"):
             pool.get_new_blocks(pool.free_block_queue.num_free_blocks)
     after = _report.events()
     for event in [("refused", "touch", "negative_ref"), ("refused", "get_new_blocks", "held_free")]:

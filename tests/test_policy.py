@@ -18,7 +18,7 @@ import pytest
 from kvqueue import KVCacheBlock
 
 from support.fuzz_common import detached, well_formed
-from support.helpers import bound_queue, check_queue, snapshot
+from support.helpers import bound_queue, check_queue, one_line, snapshot
 from support.invalid_ops import CASES, Repair, with_policy
 from support.twins import both, twin
 
@@ -63,7 +63,7 @@ def test_invalid_operation_under_each_policy(
     with pytest.raises(expected.exc) as info:
         call()
     assert type(info.value) is expected.exc
-    message = str(info.value)
+    message = one_line(info.value)
     if expected.exact:
         assert message == expected.message
     else:

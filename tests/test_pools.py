@@ -14,7 +14,7 @@ from kvqueue import KVCacheBlock
 
 from support.blocks import BLOCK_CLASSES
 from support.fuzz_common import detached, well_formed
-from support.helpers import check_queue, snapshot
+from support.helpers import check_queue, one_line, raises_said, snapshot
 
 POLICIES = ("raise", "repair")
 NONE_REPAIRED = dict.fromkeys(("duplicate", "linked", "sentinel", "not_linked", "other_pool"), 0)
@@ -45,9 +45,9 @@ def test_a_block_freed_into_another_pools_queue_is_refused(
     queue_a, blocks_a, queue_b, blocks_b = _pools(queue_mod, "raise")
     block = queue_a.popleft()
     before = snapshot(queue_b, [*blocks_a, *blocks_b])
-    with pytest.raises(ValueError, match=r"^append(_n)?\(\)|^prepend_n\(\)") as info:
+    with raises_said(ValueError, r"^append(_n)?\(\)|^prepend_n\(\)") as info:
         FREES[free](queue_b, block)
-    assert "another pool's queue: KVCacheBlock(block_id=0)" in str(info.value)
+    assert "another pool's queue: KVCacheBlock(block_id=0)" in one_line(info.value)
     assert snapshot(queue_b, [*blocks_a, *blocks_b]) == before
     # The story of the issue: the block goes back to its own queue, nothing lost.
     queue_a.append(block)
@@ -129,7 +129,7 @@ def test_a_batch_fails_at_its_first_bad_block_whatever_the_misuse(
     bad = {"linked": blocks_b[1], "other": queue_a.popleft()}
     fresh = queue_b.popleft()
     before = snapshot(queue_b, [*blocks_a, *blocks_b])
-    with pytest.raises(ValueError, match=kind):
+    with raises_said(ValueError, kind):
         getattr(queue_b, method)([fresh, *(bad[name] for name in order)])
     assert snapshot(queue_b, [*blocks_a, *blocks_b]) == before
 
@@ -146,7 +146,7 @@ def test_a_block_of_another_pool_is_refused_by_remove(
     queue_b = queue_mod.FreeKVCacheBlockQueue(theirs, on_misuse=policy)
     before = snapshot(queue_a, mine), snapshot(queue_b, theirs)
     if policy == "raise":
-        with pytest.raises(ValueError, match="another pool"):
+        with raises_said(ValueError, "another pool"):
             queue_b.remove(mine[1])
         assert queue_b.repairs == NONE_REPAIRED
     else:

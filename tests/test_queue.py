@@ -17,7 +17,7 @@ from kvqueue import KVCacheBlock
 
 from support.blocks import BLOCK_CLASSES, SubBlock
 from support.fuzz_common import outcome
-from support.helpers import check_queue, snapshot
+from support.helpers import check_queue, raises_said, snapshot
 from support.twins import both
 
 
@@ -231,7 +231,7 @@ def test_assigned_count_moves_with_the_queue(queue_mod: ModuleType) -> None:
     queue.append_n([queue.popleft()])
     assert queue.num_free_blocks == 0
     assert [b.block_id for b in queue.get_all_free_blocks()] == [1, 2, 3, 0]
-    with pytest.raises(AssertionError, match=r"popleft_n\(1\) asked for more"):
+    with raises_said(AssertionError, r"popleft_n\(1\) asked for more"):
         queue.popleft_n(1)
     queue.num_free_blocks = 4
     check_queue(queue, blocks[1:] + blocks[:1], blocks)
@@ -316,7 +316,7 @@ def test_a_batch_with_a_subclass_block_still_refuses_a_non_block(
     queue = queue_mod.FreeKVCacheBlockQueue(blocks)
     sub, impostor = SubBlock(3, pool=pool), _Impostor(pool)
     before = snapshot(queue, [*blocks, sub])
-    with pytest.raises(TypeError, match="_Impostor"):
+    with raises_said(TypeError, "_Impostor"):
         getattr(queue, method)([sub, impostor])
     assert snapshot(queue, [*blocks, sub]) == before
     assert impostor.prev_free_block is impostor.next_free_block is None

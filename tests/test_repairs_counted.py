@@ -19,7 +19,7 @@ from kvqueue import KVCacheBlock, _policy
 from kvqueue.vllm import _audit, _index, _metrics, _pool_guard, _registry, _report
 
 from support.fake_pool import guarded, line, make_pool, policy_of, screen_of
-from support.helpers import bound_queue
+from support.helpers import bound_queue, raises_said
 
 NEWEST = line("0.34")
 SOURCES = Path(__file__).parents[1] / "src" / "kvqueue"
@@ -93,7 +93,7 @@ def test_a_refused_misuse_of_a_queue_moves_no_repair_counter(queue_mod: ModuleTy
     blocks = [KVCacheBlock(i) for i in range(4)]
     queue = queue_mod.FreeKVCacheBlockQueue(blocks, on_misuse="raise")
     before = _report.events()
-    with pytest.raises(ValueError, match="linked"):
+    with raises_said(ValueError, "linked"):
         queue.append(blocks[1])
     assert _diff(before) == {}
 

@@ -21,6 +21,7 @@ from kvqueue.vllm import _audit, _lines, _plugin
 from kvqueue.vllm._lines import LINES, Line, find
 
 from support.blocks import layout
+from support.helpers import raises_said
 from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
 
 # The versions these tests name, all from the lines' table: the newest line, a release one
@@ -321,7 +322,7 @@ def test_every_accepted_line_installs_with_its_own_layout(
 
 
 def _assert_refused(fake: FakeVllm, match: str, **kwargs: Any) -> None:
-    with pytest.raises(kv_vllm.VLLMLayoutError, match=match):
+    with raises_said(kv_vllm.VLLMLayoutError, match):
         kv_vllm.install("python", **kwargs)
     assert fake.bindings() == (fake.queue_class, fake.queue_class)
     assert kv_vllm.status()["implementation"] is None
@@ -426,7 +427,7 @@ def test_foreign_patch_refused(fake: FakeVllm) -> None:
         pass
 
     fake.pool.FreeKVCacheBlockQueue = Theirs
-    with pytest.raises(kv_vllm.VLLMLayoutError, match=r"block_pool.FreeKVCacheBlockQueue .*Theirs"):
+    with raises_said(kv_vllm.VLLMLayoutError, r"block_pool.FreeKVCacheBlockQueue .*Theirs"):
         kv_vllm.install("python")
     assert fake.bindings() == (VllmQueue, Theirs)
     assert kv_vllm.status()["implementation"] is None
@@ -438,9 +439,7 @@ def test_foreign_queue_method_refused_unless_asked(fake: FakeVllm) -> None:
     def append_n(self: Any, blocks: Any) -> None: ...
 
     fake.monkeypatch.setattr(VllmQueue, "append_n", append_n)
-    with pytest.raises(
-        kv_vllm.VLLMLayoutError, match=r"FreeKVCacheBlockQueue.append_n .*test_vllm_dropin"
-    ):
+    with raises_said(kv_vllm.VLLMLayoutError, r"FreeKVCacheBlockQueue.append_n .*test_vllm_dropin"):
         kv_vllm.install("python")
     assert fake.bindings() == (VllmQueue, VllmQueue)
     from kvqueue._queue_py import FreeKVCacheBlockQueue as Pure
@@ -502,7 +501,7 @@ def test_install_policy(fake: FakeVllm, queue_mod: ModuleType, policy: str) -> N
         pool.free_block_queue.append(block)
         assert pool.free_block_queue.repairs["linked"] == 1
     else:
-        with pytest.raises(ValueError, match="linked"):
+        with raises_said(ValueError, "linked"):
             pool.free_block_queue.append(block)
     assert pool.free_block_queue.num_free_blocks == 3
     other = "raise" if policy == "repair" else "repair"
@@ -729,7 +728,7 @@ def test_plugin_strict_stops_a_line_it_does_not_accept(
 ) -> None:
     fake = FakeVllm(monkeypatch, version=NEWER)
     monkeypatch.setenv(_env.VLLM, value)
-    with pytest.raises(kv_vllm.VLLMLayoutError, match=ACCEPTED):
+    with raises_said(kv_vllm.VLLMLayoutError, ACCEPTED):
         _plugin.plugin()
     assert fake.bindings() == (VllmQueue, VllmQueue)
 
@@ -806,7 +805,7 @@ def test_another_projects_pool_method_is_named_not_taken_for_a_layout(
     kv_vllm.install("python", wrap_foreign=True)
     pool = fake.pool.BlockPool(4)
     (block,) = pool.get_new_blocks(1)
-    with pytest.raises(ValueError, match="double free"):
+    with raises_said(ValueError, "double free"):
         pool.free_blocks([block, block])
     pool.free_blocks([block])
     assert pool.get_num_free_blocks() == 3
@@ -872,7 +871,7 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
     plan = _plugin.plan()
     assert plan.action == "refuse"
     assert "their_project" in plan.reason
-    with pytest.raises(kv_vllm.VLLMLayoutError, match="free_blocks is not vLLM's own"):
+    with raises_said(kv_vllm.VLLMLayoutError, "free_blocks is not vLLM's own"):
         kv_vllm.install("python", on_misuse="raise")
     assert kv_vllm.status()["bypassed"] == state["bypassed"]
     monkeypatch.setenv(_env.WRAP_FOREIGN, "1")
@@ -882,7 +881,7 @@ def test_a_later_patch_over_a_guard_is_reported_and_refused(
     assert "free_blocks" in kv_vllm.status()["guarded"]
     pool = fake.pool.BlockPool(4)
     (block,) = pool.get_new_blocks(1)
-    with pytest.raises(ValueError, match="double free"):
+    with raises_said(ValueError, "double free"):
         pool.free_blocks([block, block])
 
 

@@ -46,6 +46,8 @@ with warnings.catch_warnings():
 kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
 from kvqueue.vllm._lines import find  # noqa: E402
 
+from support.helpers import one_line, raises_said  # noqa: E402
+
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
 HAS_UNPIN = "unpin_blocks" in LINE.pool_methods
@@ -199,9 +201,11 @@ def test_kvqueue_refuses_the_second_free(kind, monkeypatch):
     message = (
         rf"free_blocks\(\) was given block {blocks[0].block_id} .*free list already.*double free"
     )
-    with pytest.raises(ValueError, match=message) as refused:
+    with raises_said(ValueError, message) as refused:
         second_free()
-    assert re.search(r"called from \S*/test_double_free.py:\d+ in <lambda>$", str(refused.value))
+    assert re.search(
+        r"called from \S*/test_double_free.py:\d+ in <lambda>$", one_line(refused.value)
+    )
     # Refused before vLLM's own method ran: the state the bug made, unchanged.
     assert blocks[0].ref_cnt == 1
     assert linked_ids(pool).count(blocks[0].block_id) == 1
@@ -212,7 +216,7 @@ def test_kvqueue_refuses_the_second_free(kind, monkeypatch):
 def test_kvqueue_raise_is_the_default_and_explicit(kind, monkeypatch):
     pool = new_pool(kind, "raise", monkeypatch)
     _, second_free = double_free(pool)
-    with pytest.raises(ValueError, match="double free"):
+    with raises_said(ValueError, "double free"):
         second_free()
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1 - 2
 
@@ -232,9 +236,7 @@ def test_unpin_after_free_links_the_block_twice(kind, monkeypatch):
         assert pool.get_num_free_blocks() == len(truly_free(pool)) + 1
         assert blocks[1].prev_free_block is blocks[1]  # append_n linked it after itself
     else:
-        with pytest.raises(
-            ValueError, match=rf"unpin_blocks\(\) was given block {blocks[1].block_id} "
-        ):
+        with raises_said(ValueError, rf"unpin_blocks\(\) was given block {blocks[1].block_id} "):
             pool.unpin_blocks([blocks[1]], on_reuse=lambda block: None)
         assert blocks[1].ref_cnt == 1
 
@@ -254,7 +256,7 @@ def test_reset_prefix_cache_after_a_double_free(kind, monkeypatch):
         assert held.ref_cnt == 1
         assert pool.reset_prefix_cache() is True  # "all blocks are free"
     else:
-        with pytest.raises(ValueError, match="double free"):
+        with raises_said(ValueError, "double free"):
             pool.free_blocks([first])
         assert pool.reset_prefix_cache() is False  # one block is still in use
 
@@ -340,9 +342,7 @@ def test_guard_refuses_the_duplicate_at_the_faulty_call(kind, monkeypatch):
     pool = new_pool(kind, "raise", monkeypatch)
     (block,) = pool.get_new_blocks(1)
     before = linked_ids(pool)
-    with pytest.raises(
-        ValueError, match=rf"free_blocks\(\) was given block {block.block_id} 2 time"
-    ):
+    with raises_said(ValueError, rf"free_blocks\(\) was given block {block.block_id} 2 time"):
         pool.free_blocks([block, block])
     assert block.ref_cnt == 1
     assert linked_ids(pool) == before
@@ -380,13 +380,13 @@ def test_negative_count_left_by_an_unguarded_free(kind, policy, monkeypatch):
     # 0.18-0.23 never queued it (lost); later lines queued it at the first 0, so it is at the head.
     assert (block.block_id in linked_ids(pool)) is not LINE.counts_first
     if policy == "raise":
-        with pytest.raises(
-            ValueError, match=rf"touch\(\) was given block {block.block_id} whose ref_cnt is -1"
+        with raises_said(
+            ValueError, rf"touch\(\) was given block {block.block_id} whose ref_cnt is -1"
         ):
             pool.touch([block])
         if not LINE.counts_first:
-            with pytest.raises(
-                ValueError, match=rf"get_new_blocks\(\) would hand out block {block.block_id}"
+            with raises_said(
+                ValueError, rf"get_new_blocks\(\) would hand out block {block.block_id}"
             ):
                 pool.get_new_blocks(1)
         assert block.ref_cnt == -1
@@ -405,9 +405,9 @@ def test_held_block_in_the_free_list_is_not_handed_out(kind, policy, monkeypatch
     head = pool.free_block_queue.fake_free_list_head.next_free_block
     head.ref_cnt += 1  # a reference taken without touch(): held, still linked
     if policy == "raise":
-        with pytest.raises(
+        with raises_said(
             ValueError,
-            match=rf"hand out block {head.block_id}, which is in the free list with ref_cnt 1",
+            rf"hand out block {head.block_id}, which is in the free list with ref_cnt 1",
         ):
             pool.get_new_blocks(2)
         assert linked_ids(pool)[0] == head.block_id
@@ -424,8 +424,8 @@ def test_another_pools_block_is_routed_and_checked_there(kind, monkeypatch):
     mine = new_pool(kind, "raise", monkeypatch)
     theirs = new_pool(kind, "raise", monkeypatch)
     (block,) = theirs.get_new_blocks(1)
-    with pytest.raises(
-        ValueError, match=rf"block {block.block_id} 2 time.*\({NUM_BLOCKS} blocks\)"
+    with raises_said(
+        ValueError, rf"block {block.block_id} 2 time.*\({NUM_BLOCKS} blocks\)"
     ) as refused:
         mine.free_blocks([block, block])
     assert f"{id(theirs):#x}" in str(refused.value)  # the pool that owns it refused
@@ -470,7 +470,7 @@ def test_evict_first_with_a_double_free(kind, how, policy, monkeypatch, caplog):
     cache(pool, cached, kv_cache_utils.make_block_hash_with_group_id(block_hash, 0))
     args, kwargs = ((True,), {}) if how == "position" else ((), {"evict_first": True})
     if policy == "raise":
-        with pytest.raises(ValueError, match=rf"block {cached.block_id} 2 time"):
+        with raises_said(ValueError, rf"block {cached.block_id} 2 time"):
             pool.free_blocks([cached, plain, cached], *args, **kwargs)
         assert (cached.ref_cnt, plain.ref_cnt) == (1, 1)
         pool.free_blocks([cached, plain], *args, **kwargs)
@@ -673,7 +673,7 @@ def test_a_stray_block_vllm_would_queue_is_refused_first(kind, monkeypatch):
     own = pool.get_new_blocks(3)
     stray = kv_cache_utils.KVCacheBlock(1000)
     stray.ref_cnt = 1
-    with pytest.raises(ValueError, match=r"block 1000, a block of no pool.*Pool: BlockPool"):
+    with raises_said(ValueError, r"block 1000, a block of no pool.*Pool: BlockPool"):
         pool.free_blocks([*own, stray])
     assert [block.ref_cnt for block in own] == [1, 1, 1]
     assert stray.ref_cnt == 1

@@ -24,6 +24,8 @@ kvqueue_vllm = pytest.importorskip("kvqueue.vllm")
 from kvqueue.vllm import _pool_guard  # noqa: E402
 from kvqueue.vllm._lines import find  # noqa: E402
 
+from support.helpers import one_line, raises_said  # noqa: E402
+
 LINE = find(vllm.__version__)
 KVQUEUE = ["cython", "python"]
 SCREENS = {"cython": "kvqueue.vllm._screen", "python": "kvqueue.vllm._screen_py"}
@@ -76,7 +78,7 @@ _UNREMOVABLE = textwrap.dedent(
         try:
             pool.get_new_blocks(3)
         except RuntimeError as exc:
-            assert "the queue cannot unlink it" in str(exc), exc
+            assert "the queue cannot unlink it" in " ".join(str(exc).split()), exc
         else:
             raise AssertionError("a held block was handed out")
     print("returned")
@@ -175,7 +177,7 @@ def test_another_pools_double_free_raises_before_anything_is_freed(kind: str) ->
     (a,) = mine.get_new_blocks(1)
     (b,) = theirs.get_new_blocks(1)
     before = state(mine), state(theirs)
-    with pytest.raises(ValueError, match=f"block {b.block_id} 2 time"):
+    with raises_said(ValueError, f"block {b.block_id} 2 time"):
         mine.free_blocks([a, b, b])
     assert (state(mine), state(theirs)) == before
 
@@ -190,7 +192,7 @@ def test_a_count_of_another_type(kind: str, count: Any) -> None:
     with pytest.raises((ValueError, TypeError)) as info:
         pool.get_new_blocks(count)
     if type(count) is bool:
-        assert "would hand out block" in str(info.value)
+        assert "would hand out block" in one_line(info.value)
     assert state(pool) == before
 
 

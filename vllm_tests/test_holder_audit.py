@@ -33,6 +33,8 @@ import sdist
 
 from kvqueue.vllm._lines import find
 
+from support.helpers import one_line
+
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
 HERE = Path(__file__).resolve().parent
@@ -96,14 +98,14 @@ def test_raise_stops_the_step_before_the_block_is_handed_out(
     results: dict[str, Any], form: str, twin: str
 ) -> None:
     run = results[f"{form}/{twin}/raise"]
-    message = run["raised"]
+    message = one_line(run["raised"])
     assert message.startswith("HolderAuditError: kvqueue's holder audit, before the scheduler")
     assert f"block {run['block']} is in the free list (ref_cnt 0)" in message
     assert f"request '{run['holder']}'" in message
     assert "sched/scheduler.py" in message  # the step it stopped
     if form == "shared":  # the abort's free, which the guard saw
         assert "single_type_kv_cache_manager.py" in message
-    assert run["retried"] == message  # the step started again: refused again, alike
+    assert one_line(run["retried"]) == message  # the step started again: refused again, alike
     assert not run["c_has_block"]
     assert run["holder_has_block"]
     assert run["in_free_list"]
@@ -143,7 +145,7 @@ def test_raise_stops_the_allocation_that_would_hand_out_a_listed_block(
     results: dict[str, Any], form: str, twin: str
 ) -> None:
     run = results[f"{form}/{twin}/raise"]
-    message = run["raised"]
+    message = one_line(run["raised"])
     said = f"HolderAuditError: BlockPool.get_new_blocks() would hand out block {run['block']}, "
     assert message.startswith(said)
     assert f"request '{run['holder']}' (FullAttentionManager) lists it" in message
@@ -161,7 +163,7 @@ def test_raise_refuses_the_call_that_would_queue_a_listed_block(
     results: dict[str, Any], form: str, twin: str
 ) -> None:
     run = results[f"{form}/{twin}/raise"]
-    message = run["refused"]
+    message = one_line(run["refused"])
     said = f"HolderAuditError: FreeKVCacheBlockQueue.append() would queue block {run['block']} "
     assert message.startswith(said)
     assert f"which request '{run['holder']}' (FullAttentionManager) lists" in message

@@ -2,15 +2,29 @@
 guard, the holder audit and the vLLM checks raise.
 
 The messages of the errors vLLM raises are vLLM's, word for word: engines and
-their tests match on them. Objects appear in them as ``_render`` gives them, without
-running their code; the misuses repaired under ``"repair"`` are named in ``_policy``.
+their tests match on them. kvqueue's own come in lines of at most 100 columns as a traceback
+prints them (``_render.wrap``, as the log's records): the guard's and the audit's end with the
+pool and the caller on a line of their own. Objects appear in them as ``_render`` gives them,
+without running their code; the misuses repaired under ``"repair"`` are named in ``_policy``.
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from ._block import is_subtype, layout_change
 from ._policy import QueueMisuse
 from ._render import describe, number, plural, times, type_name, vllm_repr, wrap
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _said(cls: type[_E], text: str) -> _E:
+    """``cls(text)``, ``text`` in lines that fit as a traceback prints them: the first after
+    the type's name (``ValueError: ``, ``kvqueue._errors.HolderAuditError: ``). O(len(text))."""
+    module = cls.__module__
+    shown = cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+    return cls(wrap(text, len(shown) + len(": ")))
 
 
 class HolderAuditError(RuntimeError):
@@ -35,7 +49,7 @@ class SettingError(SystemExit, ValueError):
 
 # The pool guard's and the holder audit's messages. ``call``, ``block`` and ``where`` come
 # rendered (``_report.call``, ``named``, ``where``): the method called, the block, and the
-# pool with the caller's frame.
+# pool with the caller's frame, which each message puts on a line of its own.
 
 
 def double_free(
@@ -45,86 +59,113 @@ def double_free(
         what = f"which is in the free list already (ref_cnt {number(refs)})"
     else:
         what = f"while it holds {plural(refs, 'reference')}"
-    return ValueError(
-        f"{call} was given block {block} {times(given)} {what}: a double free; nothing was "
-        f"freed. {where}"
+    return _in_pool(
+        ValueError,
+        f"{call} was given block {block} {times(given)} {what}: a double free; nothing was freed.",
+        where,
     )
 
 
 def stray_block(call: str, block: str, whose: str, refs: int, given: int, where: str) -> ValueError:
-    return ValueError(
+    return _in_pool(
+        ValueError,
         f"{call} was given block {block}, a block of {whose}, which it would free into this "
         f"pool's queue (ref_cnt {number(refs)}, given {times(given)}); that queue takes only "
-        f"this pool's blocks: nothing was freed. {where}"
+        "this pool's blocks: nothing was freed.",
+        where,
     )
 
 
 def ref_not_an_integer(call: str, block: str, value: object, where: str) -> TypeError:
-    return TypeError(
+    return _in_pool(
+        TypeError,
         f"{call} was given block {block} whose ref_cnt is {describe(value)}, not an integer; "
-        f"nothing was changed. {where}"
+        "nothing was changed.",
+        where,
     )
 
 
 def touch_negative(call: str, block: str, refs: int, where: str) -> ValueError:
-    return ValueError(
+    return _in_pool(
+        ValueError,
         f"{call} was given block {block} whose ref_cnt is {number(refs)}: it was freed more "
-        f"times than it was referenced (a double free), and a touch would count it free and "
-        f"held at once; nothing was touched. {where}"
+        "times than it was referenced (a double free), and a touch would count it free and "
+        "held at once; nothing was touched.",
+        where,
     )
 
 
 def held_handed_out(call: str, block: str, refs: int, where: str) -> ValueError:
-    return ValueError(
+    return _in_pool(
+        ValueError,
         f"{call} would hand out block {block}, which is in the free list with ref_cnt "
         f"{number(refs)} (0 for a free block): a double free made it both free and held; "
-        f"nothing was allocated. {where}"
+        "nothing was allocated.",
+        where,
     )
 
 
 def held_stuck(call: str, block: str, refs: int, where: str) -> RuntimeError:
-    return RuntimeError(
+    return _in_pool(
+        RuntimeError,
         f"{call}: held block {block} (ref_cnt {number(refs)}) is in the free list, and the "
-        f"queue cannot unlink it: were its pool or links assigned outside the queue? Nothing "
-        f"was allocated. {where}"
+        "queue cannot unlink it: were its pool or links assigned outside the queue? Nothing "
+        "was allocated.",
+        where,
     )
 
 
 def audit_bad_count(block: str, value: object, where: str) -> TypeError:
-    return TypeError(
+    return _in_pool(
+        TypeError,
         f"kvqueue's holder audit: block {block} has a ref_cnt of {describe(value)}, not an "
-        f"integer; nothing was changed. {where}"
+        "integer; nothing was changed.",
+        where,
     )
 
 
 def audit_finding(block: str, what: str, released: str, where: str) -> HolderAuditError:
-    return HolderAuditError(
+    return _in_pool(
+        HolderAuditError,
         f"kvqueue's holder audit, before the scheduler step: block {block} {what}; a second "
-        f"request could be handed it. {released}Nothing was changed. {where}"
+        f"request could be handed it. {released}Nothing was changed.",
+        where,
     )
 
 
 def listed_handed_out(
     call: str, block: str, what: str, released: str, where: str
 ) -> HolderAuditError:
-    return HolderAuditError(
+    return _in_pool(
+        HolderAuditError,
         f"{call} would hand out block {block}, which {what}: a second request would hold "
-        f"it; nothing was allocated. {released}{where}"
+        f"it; nothing was allocated. {released}",
+        where,
     )
 
 
 def listed_touched(call: str, block: str, what: str, released: str, where: str) -> HolderAuditError:
-    return HolderAuditError(
+    return _in_pool(
+        HolderAuditError,
         f"{call} would give block {block}, which {what}, to a prefix hit: a second request "
-        f"would hold it; nothing was touched. {released}{where}"
+        f"would hold it; nothing was touched. {released}",
+        where,
     )
 
 
 def queued_held(call: str, block: str, what: str, where: str) -> HolderAuditError:
-    return HolderAuditError(
+    return _in_pool(
+        HolderAuditError,
         f"{call} would queue block {block} free, which {what}: the next allocation would hand "
-        f"it to a second holder; nothing was queued. {where}"
+        "it to a second holder; nothing was queued.",
+        where,
     )
+
+
+def _in_pool(cls: type[_E], said: str, where: str) -> _E:
+    """What the guard or the audit raises: ``said``, then the pool and the caller on a line
+    of their own, where an operator's eye finds them."""
+    return _said(cls, f"{said.rstrip()}\n{where}")
 
 
 # kvqueue.vllm's refusals of a vLLM it cannot patch.
@@ -132,25 +173,29 @@ def queued_held(call: str, block: str, what: str, where: str) -> HolderAuditErro
 
 def foreign_patch(patch: str, wrapped: str) -> VLLMLayoutError:
     """kvqueue's refusal to install over ``patch`` (``wrapped``: what wrap_foreign does)."""
-    return VLLMLayoutError(
+    return _said(
+        VLLMLayoutError,
         f"{patch}; kvqueue would bypass that patch. install(wrap_foreign=True) "
-        f"(KVQUEUE_WRAP_FOREIGN=1) {wrapped}"
+        f"(KVQUEUE_WRAP_FOREIGN=1) {wrapped}",
     )
 
 
 def not_this_line(version: str | None, line: str, problem: str) -> VLLMLayoutError:
-    return VLLMLayoutError(f"vLLM {version} is not what kvqueue knows of vLLM {line}: {problem}")
+    return _said(
+        VLLMLayoutError, f"vLLM {version} is not what kvqueue knows of vLLM {line}: {problem}"
+    )
 
 
 def not_accepted(accepted: str, seen: str, why: str) -> VLLMLayoutError:
-    return VLLMLayoutError(
+    return _said(
+        VLLMLayoutError,
         f"kvqueue accepts the vLLM lines whose own suites pass with it ({accepted}), not "
-        f"{seen}{why}; install(check_version=False) tries the line whose layout this vLLM has"
+        f"{seen}{why}; install(check_version=False) tries the line whose layout this vLLM has",
     )
 
 
 def no_line_has(version: str | None, problem: str | None) -> VLLMLayoutError:
-    return VLLMLayoutError(f"vLLM {version} has the layout of no accepted line ({problem})")
+    return _said(VLLMLayoutError, f"vLLM {version} has the layout of no accepted line ({problem})")
 
 
 def empty() -> ValueError:
@@ -176,8 +221,10 @@ HEAD_LOST = "next_free_block of fake_free_list_head should always exist"
 
 
 def too_many(n: int, num_free_blocks: int) -> AssertionError:
-    return AssertionError(
-        f"popleft_n({number(n)}) asked for more blocks than the {number(num_free_blocks)} free ones"
+    return _said(
+        AssertionError,
+        f"popleft_n({number(n)}) asked for more blocks than the {number(num_free_blocks)} "
+        "free ones",
     )
 
 
@@ -186,9 +233,10 @@ def negative(n: int) -> ValueError:
 
 
 def not_a_first_block(block_type: type, why: TypeError) -> TypeError:
-    return TypeError(
+    return _said(
+        TypeError,
         f"FreeKVCacheBlockQueue(): blocks[0] has type {type_name(block_type)}, which the queue "
-        f"cannot thread: {why}"
+        f"cannot thread: {why}",
     )
 
 
@@ -200,13 +248,16 @@ def not_a_block(obj: object, block_type: type, where: str) -> TypeError:
             f", whose class redefines {changed} (the queue reads and writes "
             f"{type_name(block_type)}'s own)"
         )
-    return TypeError(f"{where}: expected a {type_name(block_type)}, got {describe(obj)}{why}")
+    return _said(
+        TypeError, f"{where}: expected a {type_name(block_type)}, got {describe(obj)}{why}"
+    )
 
 
 def corrupted(method: str, obj: object) -> RuntimeError:
-    return RuntimeError(
+    return _said(
+        RuntimeError,
         f"{method}(): the free list is corrupted (a link holds {describe(obj)}); were "
-        "prev_free_block/next_free_block assigned outside the queue?"
+        "prev_free_block/next_free_block assigned outside the queue?",
     )
 
 
@@ -226,14 +277,17 @@ def misuse(method: str, kind: QueueMisuse, block: object) -> Exception:
     if kind == "not_linked":
         return RuntimeError(f"remove() called on an invalid block: {described}")
     if kind == "other_pool":
-        return ValueError(f"{method}() called on a block of another pool's queue: {described}")
-    return ValueError(f"{method}() called on a block that {_LINK_MISUSES[kind]}: {described}")
+        said = f"{method}() called on a block of another pool's queue: {described}"
+    else:
+        said = f"{method}() called on a block that {_LINK_MISUSES[kind]}: {described}"
+    return _said(ValueError, said)
 
 
 def too_long(num_free_blocks: int) -> RuntimeError:
-    return RuntimeError(
+    return _said(
+        RuntimeError,
         f"the free list holds more than num_free_blocks ({number(num_free_blocks)}) blocks: "
-        "it is corrupted (a cycle or a block of another queue)"
+        "it is corrupted (a cycle or a block of another queue)",
     )
 
 
@@ -255,9 +309,11 @@ def len_overflow() -> OverflowError:
 
 COUNT_UNDELETABLE = "num_free_blocks cannot be deleted"
 
-UNCOPYABLE = (
+# Raised as a TypeError (both twins), so wrapped after "TypeError: ".
+UNCOPYABLE = wrap(
     "FreeKVCacheBlockQueue cannot be copied or pickled: it is threaded through its "
-    "blocks' own links, which a copy would share; build a new queue from new blocks"
+    "blocks' own links, which a copy would share; build a new queue from new blocks",
+    len("TypeError: "),
 )
 
 INITIALIZED = "the queue is already initialized"

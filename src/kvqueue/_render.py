@@ -9,6 +9,7 @@ vLLM's messages carry, built from the slots.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from types import MemberDescriptorType, NoneType
 from typing import Any
@@ -30,6 +31,9 @@ _REPR_LINKS = ("prev_free_block", "next_free_block")
 _HASH_BOUND = 1024
 #: The widest line of a message of kvqueue's, with what a traceback prints before its first.
 WIDTH = 100
+# A line break that starts a paragraph, and one that a wrapped paragraph goes on after.
+_PARAGRAPH = re.compile(r"\n(?!  )")
+_GOES_ON = re.compile(r"\n  +")
 
 
 def number(n: int) -> str:
@@ -140,15 +144,17 @@ def wrap(text: str, lead: int = 0) -> str:
     """``text`` in lines of at most :data:`WIDTH` columns, the first after ``lead`` columns
     that something else prints before it (an exception's type); a paragraph's further lines
     indented by two, its own line breaks kept. ``text`` itself when every line fits already.
-    A word longer than a line (a path) is not broken."""
+    A word longer than a line (a path) is not broken. A paragraph wrapped already (an
+    exception's message in a log record) flows again as one: a line indented by two goes on
+    the line before it. O(len(text))."""
     first = WIDTH - lead
     if all(len(line) <= (first if n == 0 else WIDTH) for n, line in enumerate(text.split("\n"))):
         return text
     lines: list[str] = []
-    for paragraph in text.split("\n"):
+    for paragraph in _PARAGRAPH.split(text):
         indent = " " * max(lead, 0)
         wrapped = textwrap.wrap(
-            paragraph,
+            _GOES_ON.sub(" ", paragraph),
             WIDTH,
             initial_indent=indent,
             subsequent_indent="  ",

@@ -30,6 +30,7 @@ from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import guarded, make_pool, policy_of, screen_of, state
 from support.fuzz_common import Stats, main, well_formed
+from support.helpers import one_line
 from support.twins import twin
 
 RNG = random.Random()
@@ -246,7 +247,7 @@ def step(pool: Any, pools: list[Any], held: dict[int, list[Any]], of: Any) -> No
             pool.touch([block])
             mine.append(block)
     except ValueError as exc:
-        message = str(exc)
+        message = one_line(exc)
         if message.startswith("Cannot get"):
             COUNTS["shortfalls"] += 1  # a shortfall is vLLM's own error, the guard's none
             return

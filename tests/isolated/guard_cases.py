@@ -13,7 +13,7 @@ from typing import Any
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, screen_of
-from support.helpers import isolated_cases, run_case
+from support.helpers import isolated_cases, one_line, run_case
 
 NEWEST = LINES[-1]
 
@@ -39,7 +39,7 @@ def _raises(call: Callable[[], object], kind: type[Exception], text: str) -> Non
     try:
         call()
     except kind as exc:
-        message = str(exc)
+        message = one_line(exc)
     else:
         raise AssertionError(f"no {kind.__name__}: {text}")
     if text not in message:

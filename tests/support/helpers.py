@@ -1,12 +1,15 @@
-"""State checks shared by the behavioural, model and fuzz tests; the runner of tests/isolated."""
+"""State checks shared by the behavioural, model and fuzz tests; kvqueue's messages read as one
+line; the runner of tests/isolated."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
 from pathlib import Path
 from types import FunctionType, ModuleType
@@ -54,6 +57,25 @@ def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) 
         if id(block) not in members:
             assert block.prev_free_block is None, block
             assert block.next_free_block is None, block
+
+
+def one_line(message: object) -> str:
+    """``message`` (an exception, a log line) as one line: kvqueue wraps its messages to 100
+    columns at spaces that move with their values (a pool's address, a caller's path), and
+    puts the pool and the caller on a line of their own; each break and the indent after it
+    read as the one space it replaced."""
+    return re.sub(r"\n *", " ", str(message))
+
+
+@contextlib.contextmanager
+def raises_said(
+    expected: type[BaseException] | tuple[type[BaseException], ...], pattern: str
+) -> Iterator[pytest.ExceptionInfo[BaseException]]:
+    """``pytest.raises(expected, match=pattern)`` on the message read as :func:`one_line`."""
+    with pytest.raises(expected) as raised:
+        yield raised
+    said = one_line(raised.value)
+    assert re.search(pattern, said), f"{pattern!r} not in {said!r}"
 
 
 TESTS = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from kvqueue import KVCacheBlock
 
 from support.blocks import VllmStyleBlock
-from support.helpers import snapshot
+from support.helpers import one_line, snapshot
 
 Setup = Callable[[ModuleType], tuple[Any, list[Any], Callable[[], object]]]
 
@@ -553,5 +553,5 @@ def outcome(mod: ModuleType, name: str, on_misuse: str | None = None) -> tuple[s
     try:
         call()
     except Exception as exc:
-        return type(exc).__name__, str(exc), snapshot(queue, blocks) == before
+        return type(exc).__name__, one_line(exc), snapshot(queue, blocks) == before
     return "no exception", "", snapshot(queue, blocks) == before

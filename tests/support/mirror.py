@@ -10,11 +10,9 @@ from operator import is_
 from types import ModuleType
 from typing import Any
 
-import pytest
-
 from kvqueue import KVCacheBlock
 
-from support.helpers import check_queue, snapshot
+from support.helpers import check_queue, raises_said, snapshot
 from support.oracle import Oracle
 
 POOL = 32
@@ -76,7 +74,7 @@ class Mirror:
             return
         assert raises is None or type(refusal) is raises, f"{method}{args}: {refusal!r}"
         before = snapshot(self.queue, self.blocks)
-        with pytest.raises(type(refusal), match=match) as got:
+        with raises_said(type(refusal), match or "") as got:
             getattr(self.queue, method)(*args)
         assert type(got.value) is type(refusal), (got.value, refusal)
         assert snapshot(self.queue, self.blocks) == before
