@@ -159,7 +159,7 @@ def test_an_engines_counters_are_at_0_from_the_first_scrape_and_move(scraped: An
 
 
 def test_not_active_says_why(scraped: Any) -> None:
-    _as_engine(_not_active("vLLM 9.9.9 is not accepted"))
+    _as_engine(_not_active("vLLM 9.9.9 is not\n  accepted"))  # a wrapped refusal: one line
     text = scraped()
     assert 'reason="vLLM 9.9.9 is not accepted"' in text
     assert 'state="not active"' in text

@@ -176,7 +176,8 @@ class Facts:
         if self.reason is not None:
             return {
                 "state": "not active",
-                "reason": self.reason[:300],
+                # A wrapped refusal, as one line: a label value is read on one.
+                "reason": " ".join(self.reason.split())[:300],
                 "vllm_version": self.vllm_version,
             }
         return {
