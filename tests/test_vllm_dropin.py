@@ -551,7 +551,7 @@ def test_status_says_each_live_pools_policy(fake: FakeVllm, queue_mod: ModuleTyp
     repairing.free_blocks([block, block])
     assert kv_vllm.pool_repairs(repairing)["double_free"] == 1
     (block,) = raising.get_new_blocks(1)
-    with pytest.raises(ValueError, match="double free"):
+    with raises_said(ValueError, "double free"):
         raising.free_blocks([block, block])
     del repairing
     gc.collect()
