@@ -3,14 +3,18 @@ against an oracle that counts occurrences the slow way."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import random
 import sys
+import tracemalloc
 import weakref
 from types import ModuleType
 from typing import Any, ClassVar
 
 import pytest
+
+from kvqueue import KVCacheBlock
 
 POOL = object()
 OTHER = object()
@@ -545,3 +549,48 @@ def test_suspects(screen: ModuleType) -> None:
     ]
     assert screen.suspects([], counts, pool_blocks) == []
     assert screen.suspects([[held]], [0] * 8, pool_blocks) == []
+
+
+def _count_cycles(screen: ModuleType, cycles: int) -> None:
+    """The counts and the suspects over slotted blocks, strangers and raising reads."""
+    pool_blocks = [KVCacheBlock(i) for i in range(16)]
+    for block in pool_blocks:
+        block.ref_cnt = 1
+    counts = [0] * 16
+    strangers = [KVCacheBlock(3), Identified(2**70), RaisingId(AttributeError("block_id"))]
+    broken = RaisingId(LookupError("block_id"))
+    batch = [*pool_blocks[:8], *strangers]
+    for i in range(cycles):
+        screen.count(batch, pool_blocks, counts, 1)
+        screen.count_one(pool_blocks[i % 16], pool_blocks, counts, 1)
+        screen.suspects([batch, pool_blocks[8:]], counts, pool_blocks)
+        screen.count_one(pool_blocks[i % 16], pool_blocks, counts, -1)
+        screen.count(iter(batch), pool_blocks, counts, -1)
+        if i % 7 == 0:
+            with pytest.raises(LookupError):
+                screen.count([pool_blocks[0], broken], pool_blocks, counts, 1)
+            screen.count_one(pool_blocks[0], pool_blocks, counts, -1)
+    assert counts == [0] * 16
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["objects", "traced"])
+def test_the_counts_and_suspects_leave_memory_flat(screen: ModuleType, traced: bool) -> None:
+    """Nothing the counts or the suspects read or raise is kept: the refcount of the block
+    class (each block holds one), the collector's objects and the traced total stay flat."""
+    if traced:
+        tracemalloc.start()
+    try:
+        _count_cycles(screen, 200)  # caches and free lists warmed up
+        gc.collect()
+        before = (sys.getrefcount(KVCacheBlock), len(gc.get_objects()))
+        memory = tracemalloc.get_traced_memory()[0] if traced else 0
+        _count_cycles(screen, 2_000)
+        gc.collect()
+        after = (sys.getrefcount(KVCacheBlock), len(gc.get_objects()))
+        grown = tracemalloc.get_traced_memory()[0] - memory if traced else 0
+    finally:
+        if traced:
+            tracemalloc.stop()
+    assert after[0] == before[0]
+    assert abs(after[1] - before[1]) <= 10
+    assert abs(grown) <= 32 * 1024
