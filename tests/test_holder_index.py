@@ -42,9 +42,10 @@ class HiSparseHotManager(FullAttentionManager):
 
 
 @pytest.fixture
-def managers() -> Iterator[type]:
-    """The stand-in manager class, its ``__init__`` guarded as install() guards vLLM's."""
-    originals = _index.guard_init(FullAttentionManager)
+def managers(screen: ModuleType) -> Iterator[type]:
+    """The stand-in manager class, its ``__init__`` guarded as install() guards vLLM's, its
+    indexes counting with the twin's screens."""
+    originals = _index.guard_init(FullAttentionManager, None, screen)
     try:
         yield FullAttentionManager
     finally:
@@ -92,7 +93,7 @@ def indexed(managers: type) -> tuple[Any, Any, _index.Index]:
 
 
 def test_a_manager_built_after_the_guard_counts_and_one_before_does_not(
-    managers: type,
+    managers: type, screen: ModuleType
 ) -> None:
     pool = stand_in_pool(4)
     before = HiSparseHotManager(pool)
@@ -101,6 +102,7 @@ def test_a_manager_built_after_the_guard_counts_and_one_before_does_not(
     assert type(before.req_to_blocks) is defaultdict  # HiSparse's keeps its own
     index = _index.index_of(pool)
     assert index is not None
+    assert index.screen is screen
     made.req_to_blocks["A"].extend(pool.blocks[1:3])
     assert index.counts == [0, 1, 1, 0]
     assert made.req_to_blocks.pop("A") == pool.blocks[1:3]
@@ -211,12 +213,18 @@ def _change(rng: random.Random, table: Any, pool: Any, other: list[Any]) -> None
         table.setdefault(f"s{rng.randrange(3)}", [pick()]).append(pick())
 
 
+class _Id(int):
+    """A block id of an int subclass: no pool's (vLLM's ids are ints), never counted."""
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_the_counts_follow_every_change(managers: type, seed: int) -> None:
     rng = random.Random(seed)
     pool = stand_in_pool(12)
-    # Blocks of another pool with the same ids, and objects that are no block: never counted.
+    # Blocks of another pool with the same ids, objects that are no block, and ids that are
+    # no int exactly or out of range: never counted.
     other = [SimpleNamespace(block_id=i) for i in range(3)] + [None, "x"]
+    other += [SimpleNamespace(block_id=b) for b in (True, _Id(1), -1, 12, 2**70, -(2**70))]
     made = [managers(pool) for _ in range(2)]
     index = _index.index_of(pool)
     assert index is not None
@@ -272,7 +280,9 @@ def test_a_change_out_of_sight_is_found_by_a_recount(managers: type) -> None:
 def exit_pool(queue_mod: ModuleType, policy: str, entry: bool = False) -> Iterator[tuple[Any, Any]]:
     """A guarded stand-in pool and its manager; ``entry``: its queue's gate is the free
     list's entry check, as install() makes it (without: a queue no gate guards)."""
-    originals = _index.guard_init(FullAttentionManager, _pool_guard.door if entry else None)
+    originals = _index.guard_init(
+        FullAttentionManager, _pool_guard.door if entry else None, screen_of(queue_mod)
+    )
     try:
         with guarded(queue_mod, NEWEST) as cls:
             pool = make_pool(cls, queue_mod, 8, policy)

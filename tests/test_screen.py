@@ -3,14 +3,18 @@ against an oracle that counts occurrences the slow way."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import random
 import sys
+import tracemalloc
 import weakref
 from types import ModuleType
 from typing import Any, ClassVar
 
 import pytest
+
+from kvqueue import KVCacheBlock
 
 POOL = object()
 OTHER = object()
@@ -297,3 +301,296 @@ def test_only_an_exact_weak_reference_is_called(screen: ModuleType, block_class:
     odd = block_class(0, pool=Ref(mine))
     assert screen.first_excess([odd], weakref.ref(mine)) == -1 - screen.OTHER_POOLS
     assert calls == []
+
+
+# -- the holder index's counts ---------------------------------------------------------------
+
+
+class _Id(int):
+    """A block id of an int subclass: not an int exactly, never counted."""
+
+
+class _Loud(int):
+    """An id whose ``__index__`` and ``__eq__`` would record a call: the counts run neither."""
+
+    calls: ClassVar[list[str]] = []
+
+    def __index__(self) -> int:
+        self.calls.append("__index__")
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        self.calls.append("__eq__")
+        return True
+
+    __hash__ = int.__hash__
+
+
+class Identified:
+    """A block as the holder index reads it: its ``block_id`` alone."""
+
+    def __init__(self, block_id: Any) -> None:
+        self.block_id = block_id
+
+    def __eq__(self, other: object) -> bool:
+        raise AssertionError("the counts compare blocks by identity")
+
+    __hash__ = object.__hash__
+
+
+class SlottedId:
+    """Laid out as vLLM's @dataclass(slots=True) block: the compiled counts read the slot."""
+
+    __slots__ = ("block_id",)
+
+    def __init__(self, block_id: Any) -> None:
+        self.block_id = block_id
+
+
+@pytest.fixture(params=[Identified, SlottedId], ids=["dict", "slots"])
+def id_class(request: pytest.FixtureRequest) -> type:
+    return request.param  # type: ignore[no-any-return]
+
+
+def counted(blocks: list[Any], pool_blocks: list[Any], counts: list[int], step: int) -> list[int]:
+    """What the counts must be after ``blocks`` are counted ``step`` times, the slow way."""
+    counts = list(counts)
+    for block in blocks:
+        block_id = getattr(block, "block_id", None)
+        if type(block_id) is not int or not 0 <= block_id < len(counts):
+            continue
+        if block_id < len(pool_blocks) and pool_blocks[block_id] is block:
+            counts[block_id] += step
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_count_matches_the_oracle(screen: ModuleType, id_class: type, seed: int) -> None:
+    rng = random.Random(seed)
+    pool_blocks = [id_class(i) for i in range(12)]
+    # Another pool's blocks at the same ids, ids of no int exactly or out of range, no id.
+    strangers = [id_class(i) for i in range(4)] + [object(), None, Identified("1")]
+    strangers += [id_class(b) for b in (True, _Id(2), -1, 12, 2**70, -(2**70), 2**63, 1.0)]
+    counts = [0] * 10  # the last two blocks' ids are past the counts
+    for _ in range(30):
+        blocks = [rng.choice(pool_blocks + strangers) for _ in range(rng.randrange(8))]
+        step = rng.choice([1, -1, 3])
+        want = counted(blocks, pool_blocks, counts, step)
+        made: Any = rng.choice([list, tuple, iter])
+        screen.count(made(blocks), pool_blocks, counts, step)
+        assert counts == want
+        for block in blocks:
+            want = counted([block], pool_blocks, counts, -step)
+            screen.count_one(block, pool_blocks, counts, -step)
+            assert counts == want
+        assert counts == [0] * 10
+
+
+def test_count_runs_no_code_of_an_id_or_a_block(screen: ModuleType, id_class: type) -> None:
+    pool_blocks = [id_class(i) for i in range(3)]
+    loud = id_class(_Loud(1))
+    counts = [0] * 3
+    screen.count([loud, *pool_blocks], pool_blocks, counts, 1)
+    screen.count_one(loud, pool_blocks, counts, 1)
+    assert counts == [1, 1, 1]
+    assert _Loud.calls == []
+
+
+def test_count_keeps_every_reference(screen: ModuleType, id_class: type) -> None:
+    pool_blocks = [id_class(i) for i in range(3)]
+    huge = 2**70
+    odd = id_class(huge)
+    blocks = [*pool_blocks, odd] * 50
+    before = [sys.getrefcount(x) for x in (blocks, pool_blocks[1], odd, huge)]
+    counts = [0] * 3
+    for _ in range(20):
+        screen.count(blocks, pool_blocks, counts, 1)
+        screen.count(blocks, pool_blocks, counts, -1)
+        screen.count_one(pool_blocks[1], pool_blocks, counts, 1)
+        screen.count_one(pool_blocks[1], pool_blocks, counts, -1)
+        screen.count_one(odd, pool_blocks, counts, 1)
+    assert counts == [0, 0, 0]
+    assert [sys.getrefcount(x) for x in (blocks, pool_blocks[1], odd, huge)] == before
+
+
+class RaisingId:
+    """A block whose ``block_id`` read raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    @property
+    def block_id(self) -> int:
+        raise self.error
+
+
+def test_a_raising_block_id_raises_through_the_counts(screen: ModuleType) -> None:
+    """An AttributeError reads as no id, as ``getattr(block, "block_id", None)`` has it; any
+    other error raises through, the blocks before it counted."""
+    pool_blocks = [Identified(i) for i in range(3)]
+    counts = [0] * 3
+    missing = RaisingId(AttributeError("block_id"))
+    screen.count([missing, pool_blocks[0]], pool_blocks, counts, 1)
+    screen.count_one(missing, pool_blocks, counts, 1)
+    assert counts == [1, 0, 0]
+    broken = RaisingId(LookupError("block_id"))
+    with pytest.raises(LookupError, match="block_id"):
+        screen.count([pool_blocks[1], broken, pool_blocks[2]], pool_blocks, counts, 1)
+    assert counts == [1, 1, 0]
+    with pytest.raises(LookupError, match="block_id"):
+        screen.count_one(broken, pool_blocks, counts, 1)
+    with pytest.raises(LookupError, match="block_id"):
+        screen.suspects([[broken]], counts, pool_blocks)
+
+
+class Meddling:
+    """A block whose ``block_id`` read runs ``meddle`` first, then gives ``block_id``."""
+
+    def __init__(self, block_id: int, meddle: Any) -> None:
+        self._id = block_id
+        self.meddle = meddle
+
+    @property
+    def block_id(self) -> int:
+        self.meddle()
+        return self._id
+
+
+def test_lists_changed_by_a_block_id_read_cannot_crash_the_counts(screen: ModuleType) -> None:
+    pool_blocks: list[Any] = [Identified(i) for i in range(4)]
+    counts = [0] * 4
+    shrinking = Meddling(3, counts.clear)
+    pool_blocks[3] = shrinking
+    screen.count([pool_blocks[0], shrinking, pool_blocks[1]], pool_blocks, counts, 1)
+    assert counts == []  # emptied under the call: nothing after it is counted
+    counts[:] = [0] * 4
+    gone = Meddling(3, lambda: pool_blocks.__delitem__(slice(2, None)))
+    pool_blocks[3] = gone
+    screen.count_one(gone, pool_blocks, counts, 1)
+    assert counts == [0] * 4  # its id is past the pool's blocks now
+    # A block appended while the list is counted is counted, as iterating it reaches it.
+    pool_blocks[:] = [Identified(i) for i in range(4)]
+    blocks: list[Any] = []
+    growing = Meddling(0, lambda: blocks.append(pool_blocks[1]) if len(blocks) < 3 else None)
+    pool_blocks[0] = growing
+    blocks.append(growing)
+    screen.count(blocks, pool_blocks, counts, 1)
+    assert counts == [1, 1, 0, 0]
+    assert len(blocks) == 2
+
+
+class Shrinks:
+    """A count whose addition empties the counts it is in."""
+
+    def __init__(self, counts: list[Any]) -> None:
+        self.counts = counts
+
+    def __iadd__(self, step: int) -> int:
+        self.counts.clear()
+        return step
+
+
+def test_a_count_whose_addition_empties_the_counts_raises(screen: ModuleType) -> None:
+    pool_blocks = [Identified(0)]
+    counts: list[Any] = []
+    counts.append(Shrinks(counts))
+    with pytest.raises(IndexError, match="list assignment index out of range"):
+        screen.count_one(pool_blocks[0], pool_blocks, counts, 1)
+    counts.append(Shrinks(counts))
+    with pytest.raises(IndexError, match="list assignment index out of range"):
+        screen.count(pool_blocks, pool_blocks, counts, 1)
+
+
+# -- the audit's suspects among freed blocks -------------------------------------------------
+
+
+class Suspect:
+    """A freed block as the audit reads it, each read recorded in ``reads``."""
+
+    reads: ClassVar[list[str]] = []
+
+    def __init__(self, block_id: Any, ref_cnt: Any = 0, *, is_null: bool = False) -> None:
+        self._fields = {"block_id": block_id, "ref_cnt": ref_cnt, "is_null": is_null}
+        self._fields["prev_free_block"] = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("block_id", "ref_cnt", "is_null", "prev_free_block"):
+            raise AttributeError(name)
+        self.reads.append(name)
+        return self.__dict__["_fields"][name]
+
+    def set(self, **fields: Any) -> None:
+        self._fields.update(fields)
+
+
+def test_suspects(screen: ModuleType) -> None:
+    pool_blocks = [Suspect(i) for i in range(8)]
+    counts: list[Any] = [1, 0, 2, 1, 1, 1, 1, 1]
+    held, free, short, odd, null, linked = (pool_blocks[i] for i in (0, 1, 2, 3, 4, 5))
+    held.set(ref_cnt=1)  # held as often as listed
+    short.set(ref_cnt=1)  # listed twice, one reference
+    odd.set(ref_cnt=_Id(5))  # no int exactly
+    null.set(is_null=True)
+    linked.set(ref_cnt=3, prev_free_block=held)  # in a free list
+    stranger = Suspect(0)  # another pool's block at a listed id
+    freed = [[held, free], [short, stranger, odd], [null, linked, Suspect(None), Suspect(9)]]
+    Suspect.reads.clear()
+    assert screen.suspects(freed, counts, pool_blocks) == [short, odd, linked]
+    assert Suspect.reads == [
+        *("block_id", "is_null", "ref_cnt", "prev_free_block"),  # held
+        "block_id",  # free: listed by none
+        *("block_id", "is_null", "ref_cnt", "prev_free_block"),  # short
+        "block_id",  # stranger
+        *("block_id", "is_null", "ref_cnt", "prev_free_block"),  # odd
+        *("block_id", "is_null"),  # null
+        *("block_id", "is_null", "ref_cnt", "prev_free_block"),  # linked
+        "block_id",
+        "block_id",
+    ]
+    assert screen.suspects([], counts, pool_blocks) == []
+    assert screen.suspects([[held]], [0] * 8, pool_blocks) == []
+
+
+def _count_cycles(screen: ModuleType, cycles: int) -> None:
+    """The counts and the suspects over slotted blocks, strangers and raising reads."""
+    pool_blocks = [KVCacheBlock(i) for i in range(16)]
+    for block in pool_blocks:
+        block.ref_cnt = 1
+    counts = [0] * 16
+    strangers = [KVCacheBlock(3), Identified(2**70), RaisingId(AttributeError("block_id"))]
+    broken = RaisingId(LookupError("block_id"))
+    batch = [*pool_blocks[:8], *strangers]
+    for i in range(cycles):
+        screen.count(batch, pool_blocks, counts, 1)
+        screen.count_one(pool_blocks[i % 16], pool_blocks, counts, 1)
+        screen.suspects([batch, pool_blocks[8:]], counts, pool_blocks)
+        screen.count_one(pool_blocks[i % 16], pool_blocks, counts, -1)
+        screen.count(iter(batch), pool_blocks, counts, -1)
+        if i % 7 == 0:
+            with pytest.raises(LookupError):
+                screen.count([pool_blocks[0], broken], pool_blocks, counts, 1)
+            screen.count_one(pool_blocks[0], pool_blocks, counts, -1)
+    assert counts == [0] * 16
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["objects", "traced"])
+def test_the_counts_and_suspects_leave_memory_flat(screen: ModuleType, traced: bool) -> None:
+    """Nothing the counts or the suspects read or raise is kept: the refcount of the block
+    class (each block holds one), the collector's objects and the traced total stay flat."""
+    if traced:
+        tracemalloc.start()
+    try:
+        _count_cycles(screen, 200)  # caches and free lists warmed up
+        gc.collect()
+        before = (sys.getrefcount(KVCacheBlock), len(gc.get_objects()))
+        memory = tracemalloc.get_traced_memory()[0] if traced else 0
+        _count_cycles(screen, 2_000)
+        gc.collect()
+        after = (sys.getrefcount(KVCacheBlock), len(gc.get_objects()))
+        grown = tracemalloc.get_traced_memory()[0] - memory if traced else 0
+    finally:
+        if traced:
+            tracemalloc.stop()
+    assert after[0] == before[0]
+    assert abs(after[1] - before[1]) <= 10
+    assert abs(grown) <= 32 * 1024

@@ -325,7 +325,7 @@ def _guard(state: _Installed, screen: ModuleType) -> None:
         state, state.manager_class, screen, names=_pool_guard.AUDITED
     )
     if state.table_class is not None:
-        state.table_originals = guard_init(state.table_class, _pool_guard.door)
+        state.table_originals = guard_init(state.table_class, _pool_guard.door, screen)
 
 
 def _correct(state: _Installed, screen: ModuleType) -> None:

@@ -105,11 +105,12 @@ def audit_holders(
     if only is not None and index is not None:
         # The holder index says which freed blocks may be at fault: O(blocks freed), and
         # the listings are read only for those.
-        only = _suspects(index, only)
-        if not only:
+        suspects = screen.suspects(only, index.counts, index.blocks)
+        if not suspects:
             if kept:
                 _places[manager] = [made, steps]
             return
+        only = [suspects]
     managers = [m for m in coordinator.single_type_managers if not _index.unpins(type(m))]
     found = screen.holder_faults(blocks, [m.req_to_blocks for m in managers], only)
     if found:
@@ -123,22 +124,6 @@ def audit_holders(
     # fault stands.
     if kept:
         _places[manager] = [made, steps]
-
-
-def _suspects(index: _index.Index, freed: list[list[Any]]) -> list[list[Any]]:
-    """Of the blocks ``freed`` (guarded frees' batches), those the index says a live request
-    lists while they are in the free list or hold fewer references than listings (or a
-    ``ref_cnt`` that is no integer), as one batch; none: ``[]``. O(blocks freed)."""
-    found = []
-    for batch in freed:
-        for block in batch:
-            listed = index.listings(block)
-            if not listed or block.is_null:
-                continue
-            refs = block.ref_cnt
-            if block.prev_free_block is not None or type(refs) is not int or refs < listed:
-                found.append(block)
-    return [found] if found else []
 
 
 def _rebuilt(pool: Any, index: _index.Index) -> bool:

@@ -25,7 +25,10 @@ import gc
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import Any, SupportsIndex
+
+from . import _screen_py
 
 __all__ = (
     "Index",
@@ -41,24 +44,24 @@ __all__ = (
 
 class Index:
     """Per pool: ``counts[block_id]``, how many times live requests list that block, and
-    the tables that list them (read only to name a block's holders, or to count again)."""
+    the tables that list them (read only to name a block's holders, or to count again).
+    ``screen``: the screens that count (``count``, ``count_one``) of the pool guard's twin."""
 
-    __slots__ = ("__weakref__", "blocks", "counts", "tables")
+    __slots__ = ("__weakref__", "blocks", "counts", "screen", "tables")
 
-    def __init__(self, blocks: list[Any]) -> None:
+    def __init__(self, blocks: list[Any], screen: ModuleType) -> None:
         self.blocks = blocks
         self.counts = [0] * len(blocks)
         self.tables: list[weakref.ref[Table]] = []
+        self.screen = screen
 
     def add(self, blocks: Iterable[Any], step: int = 1) -> None:
         """Count each of ``blocks`` ``step`` times more (-1: once less); O(len(blocks))."""
-        pool_blocks = self.blocks
-        counts = self.counts
-        size = len(counts)
-        for block in blocks:
-            block_id = getattr(block, "block_id", None)
-            if type(block_id) is int and 0 <= block_id < size and pool_blocks[block_id] is block:
-                counts[block_id] += step
+        self.screen.count(blocks, self.blocks, self.counts, step)
+
+    def add_one(self, block: Any, step: int = 1) -> None:
+        """Count ``block`` ``step`` times more (-1: once less); O(1)."""
+        self.screen.count_one(block, self.blocks, self.counts, step)
 
     def listings(self, block: Any) -> int | None:
         """How many times live requests list ``block``; None for a block not the pool's. O(1)."""
@@ -130,7 +133,7 @@ class Listed(list):  # type: ignore[type-arg]
     def append(self, block: Any) -> None:
         list.append(self, block)
         if self.tally is not None:
-            self.tally.add((block,))
+            self.tally.add_one(block)
 
     def extend(self, blocks: Iterable[Any]) -> None:
         blocks = list(blocks)
@@ -153,12 +156,12 @@ class Listed(list):  # type: ignore[type-arg]
     def insert(self, where: SupportsIndex, block: Any) -> None:
         list.insert(self, where, block)
         if self.tally is not None:
-            self.tally.add((block,))
+            self.tally.add_one(block)
 
     def pop(self, where: SupportsIndex = -1) -> Any:
         block = list.pop(self, where)
         if self.tally is not None:
-            self.tally.add((block,), -1)
+            self.tally.add_one(block, -1)
         return block
 
     def remove(self, block: Any) -> None:
@@ -179,7 +182,10 @@ class Listed(list):  # type: ignore[type-arg]
             dropped, added = before, value
         else:
             list.__setitem__(self, where, value)
-            dropped, added = [before], [value]
+            if self.tally is not None:
+                self.tally.add_one(before, -1)
+                self.tally.add_one(value)
+            return
         if self.tally is not None:
             self.tally.add(dropped, -1)
             self.tally.add(added)
@@ -333,11 +339,16 @@ def index_of(pool: Any) -> Index | None:
         return None
 
 
-def adopt(manager: Any, on_index: Callable[[Any, Index], None] | None = None) -> None:
+def adopt(
+    manager: Any,
+    on_index: Callable[[Any, Index], None] | None = None,
+    screen: ModuleType = _screen_py,
+) -> None:
     """Give a just-built manager a :class:`Table` of its pool's index in place of vLLM's
     ``req_to_blocks`` (a ``defaultdict``); O(what it lists). A HiSparse manager, one
     without a pool's block list, or a table of another kind keeps its own. ``on_index`` is
-    handed each pool and its index when the index is made."""
+    handed each pool and its index when the index is made; ``screen``: the screens the index
+    counts with (the pool guard's, of the twin its queue is)."""
     own = vars(manager)
     table = own.get("req_to_blocks")
     pool = own.get("block_pool")
@@ -348,7 +359,7 @@ def adopt(manager: Any, on_index: Callable[[Any, Index], None] | None = None) ->
         return
     index = index_of(pool)
     if index is None or index.blocks is not blocks:
-        index = Index(blocks)
+        index = Index(blocks, screen)
         try:
             _indexes[pool] = index
         except TypeError:
@@ -363,12 +374,15 @@ def adopt(manager: Any, on_index: Callable[[Any, Index], None] | None = None) ->
 
 
 def guard_init(
-    manager_class: type, on_index: Callable[[Any, Index], None] | None = None
+    manager_class: type,
+    on_index: Callable[[Any, Index], None] | None = None,
+    screen: ModuleType = _screen_py,
 ) -> dict[str, Any]:
     """``manager_class.__init__`` (vLLM's ``SingleTypeKVCacheManager``'s, which every
-    manager's runs) followed by :func:`adopt` (``on_index`` as it says); vLLM's ``__init__``, by
-    name, for :func:`unguard_init` (none for a class without its own). Guarding again replaces
-    kvqueue's ``__init__`` with a new one over vLLM's, never over its own."""
+    manager's runs) followed by :func:`adopt` (``on_index`` and ``screen`` as it says); vLLM's
+    ``__init__``, by name, for :func:`unguard_init` (none for a class without its own).
+    Guarding again replaces kvqueue's ``__init__`` with a new one over vLLM's, never over its
+    own."""
     found = vars(manager_class).get("__init__")
     if found is None:
         return {}
@@ -377,7 +391,7 @@ def guard_init(
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        adopt(self, on_index)
+        adopt(self, on_index, screen)
 
     _made[__init__] = original
     manager_class.__init__ = __init__  # type: ignore[misc]

@@ -20,6 +20,7 @@ Deliberate differences, none visible in what a screen returns or raises:
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Realloc
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.sequence cimport PySequence_SetItem
 from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport uintptr_t
@@ -32,12 +33,15 @@ __all__ = (
     "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
+    "count",
+    "count_one",
     "first_excess",
     "first_held_free",
     "first_listed",
     "first_listed_free",
     "first_negative",
     "holder_faults",
+    "suspects",
 )
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
@@ -290,6 +294,122 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
         if _listed(block, &lay, counts, pool_blocks):
             return block
     return None
+
+
+cdef inline object _block_id(object block, _Layout *lay):
+    """``getattr(block, "block_id", None)``, from the slot when the block's class has one."""
+    cdef PyObject *value
+    if Py_TYPE(block) != lay.type:
+        _learn(lay, block)
+    if lay.off[_BLOCK_ID] >= 0:
+        value = KVS_SLOT(<PyObject *>block, lay.off[_BLOCK_ID])
+        if value is not NULL:
+            return <object>value
+    lay.type = NULL
+    return getattr(block, "block_id", None)
+
+
+# Where one block class keeps its block_id, for the counts, which read no other field: the
+# one lookup in the class, not _learn's six, at each call (most move one block or a few).
+cdef struct _IdLayout:
+    PyTypeObject *type
+    Py_ssize_t off
+
+
+cdef inline object _id_only(object block, _IdLayout *lay):
+    """``getattr(block, "block_id", None)``, from the slot when the block's class has one."""
+    cdef PyObject *value
+    if Py_TYPE(block) != lay.type:
+        lay.type = Py_TYPE(block)
+        lay.off = kvs_slot(lay.type, "block_id")
+    if lay.off >= 0:
+        value = KVS_SLOT(<PyObject *>block, lay.off)
+        if value is not NULL:
+            return <object>value
+    lay.type = NULL
+    return getattr(block, "block_id", None)
+
+
+cdef inline Py_ssize_t _own_id(
+    object block, object value, list pool_blocks, list counts
+) noexcept:
+    """``value`` (``block``'s ``block_id``) when it is an int (exactly) within both lists
+    and ``block`` is ``pool_blocks[value]``; else -1."""
+    cdef Py_ssize_t block_id
+    if type(value) is not int or not kvs_count(<PyObject *>value, &block_id) or block_id < 0:
+        return -1
+    # Both lengths read after the block's read, which may run code that changes them.
+    if block_id >= PyList_GET_SIZE(counts) or block_id >= PyList_GET_SIZE(pool_blocks):
+        return -1
+    if PyList_GET_ITEM(pool_blocks, block_id) != <PyObject *>block:
+        return -1
+    return block_id
+
+
+cdef inline int _add(list counts, Py_ssize_t block_id, object step) except -1:
+    """``counts[block_id] += step``; ``block_id`` within ``counts``."""
+    total = <object>PyList_GET_ITEM(counts, block_id)
+    total += step
+    # Set as list's own item assignment does, its index checked: an addition of objects
+    # other than ints may have run code that shrank the list.
+    PySequence_SetItem(counts, block_id, total)
+    return 0
+
+
+def count(object blocks, list pool_blocks, list counts, object step):
+    """Add ``step`` to ``counts[block_id]`` (the holder index's) for each of ``blocks`` (any
+    iterable, iterated once) that is ``pool_blocks[block_id]``, its ``block_id`` an int
+    (exactly) within both lists; anything else passes uncounted. O(len(blocks)).
+
+    A ``block_id`` read that raises AttributeError reads as none; any other exception raises
+    through, the blocks before it counted."""
+    cdef Py_ssize_t block_id
+    cdef _IdLayout lay
+    lay.type = NULL
+    for block in blocks:
+        block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
+        if block_id >= 0:
+            _add(counts, block_id, step)
+
+
+def count_one(object block, list pool_blocks, list counts, object step):
+    """:func:`count` of the one block ``block``; O(1)."""
+    cdef Py_ssize_t block_id
+    cdef _IdLayout lay
+    lay.type = NULL
+    block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
+    if block_id >= 0:
+        _add(counts, block_id, step)
+
+
+def suspects(list freed, list counts, list pool_blocks):
+    """Of the blocks of the batches ``freed``, in order, those a live request lists
+    (``counts[block_id]`` not 0, the holder index's, the block ``pool_blocks[block_id]``,
+    its ``block_id`` an int exactly) that are not null and are in a free list or hold fewer
+    references than listings (or a ``ref_cnt`` that is no int, exactly); O(blocks freed).
+
+    Fields are read in the order ``block_id``, ``is_null``, ``ref_cnt``,
+    ``prev_free_block``; a ``block_id`` read that raises AttributeError reads as none."""
+    cdef Py_ssize_t block_id
+    cdef _Layout lay
+    cdef list found = []
+    lay.type = NULL
+    for batch in freed:
+        for block in batch:
+            block_id = _own_id(block, _block_id(block, &lay), pool_blocks, counts)
+            if block_id < 0:
+                continue
+            listed = <object>PyList_GET_ITEM(counts, block_id)
+            if not listed or _is_null(block, &lay):
+                continue
+            refs = _field(block, &lay, _REF_CNT, "ref_cnt")
+            if (
+                _field(block, &lay, _PREV, "prev_free_block") is not None
+                or type(refs) is not int
+                or refs < listed
+            ):
+                found.append(block)
+    return found
 
 
 # holder_faults' table: one entry per block id of the pool audited, kept between calls and

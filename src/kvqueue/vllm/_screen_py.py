@@ -25,12 +25,15 @@ __all__ = (
     "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
+    "count",
+    "count_one",
     "first_excess",
     "first_held_free",
     "first_listed",
     "first_listed_free",
     "first_negative",
     "holder_faults",
+    "suspects",
 )
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
@@ -167,6 +170,66 @@ def _listed(block: Any, counts: list[int], pool_blocks: list[Any]) -> bool:
         return False
     listed = _count(counts[block_id])
     return listed is not None and listed != 0 and pool_blocks[block_id] is block
+
+
+def count(blocks: Any, pool_blocks: list[Any], counts: list[int], step: int) -> None:
+    """Add ``step`` to ``counts[block_id]`` (the holder index's) for each of ``blocks`` (any
+    iterable, iterated once) that is ``pool_blocks[block_id]``, its ``block_id`` an int
+    (exactly) within both lists; anything else passes uncounted. O(len(blocks)).
+
+    A ``block_id`` read that raises AttributeError reads as none; any other exception raises
+    through, the blocks before it counted."""
+    # count_one's body, inlined: this runs at every change of every listing.
+    for block in blocks:
+        block_id = getattr(block, "block_id", None)
+        if (
+            type(block_id) is int
+            and 0 <= block_id < len(counts)
+            and block_id < len(pool_blocks)
+            and pool_blocks[block_id] is block
+        ):
+            counts[block_id] += step
+
+
+def count_one(block: Any, pool_blocks: list[Any], counts: list[int], step: int) -> None:
+    """:func:`count` of the one block ``block``; O(1)."""
+    block_id = getattr(block, "block_id", None)
+    # Both lengths read after the block's read, which may run code that changes them.
+    if (
+        type(block_id) is int
+        and 0 <= block_id < len(counts)
+        and block_id < len(pool_blocks)
+        and pool_blocks[block_id] is block
+    ):
+        counts[block_id] += step
+
+
+def suspects(freed: list[list[Any]], counts: list[int], pool_blocks: list[Any]) -> list[Any]:
+    """Of the blocks of the batches ``freed``, in order, those a live request lists
+    (``counts[block_id]`` not 0, the holder index's, the block ``pool_blocks[block_id]``,
+    its ``block_id`` an int exactly) that are not null and are in a free list or hold fewer
+    references than listings (or a ``ref_cnt`` that is no int, exactly); O(blocks freed).
+
+    Fields are read in the order ``block_id``, ``is_null``, ``ref_cnt``,
+    ``prev_free_block``; a ``block_id`` read that raises AttributeError reads as none."""
+    found = []
+    for batch in freed:
+        for block in batch:
+            block_id = getattr(block, "block_id", None)
+            if (
+                type(block_id) is not int
+                or not 0 <= block_id < len(counts)
+                or block_id >= len(pool_blocks)
+                or pool_blocks[block_id] is not block
+            ):
+                continue
+            listed = counts[block_id]
+            if not listed or block.is_null:
+                continue
+            refs = block.ref_cnt
+            if block.prev_free_block is not None or type(refs) is not int or refs < listed:
+                found.append(block)
+    return found
 
 
 def _gone(owner: object) -> bool:
