@@ -102,8 +102,11 @@ cdef void _learn(_Layout *lay, object block):
     lay.off[_BLOCK_ID] = kvs_slot(tp, "block_id")
 
 
-cdef inline object _field(object block, _Layout *lay, int field, str name):
-    """``getattr(block, name)``, from the slot when the block's class has one."""
+cdef inline object _field(
+    object block, _Layout *lay, int field, str name, bint optional=False
+):
+    """``getattr(block, name)`` (``optional``: None for a block without it), from the slot
+    when the block's class has one."""
     cdef PyObject *value
     if Py_TYPE(block) != lay.type:
         _learn(lay, block)
@@ -112,6 +115,8 @@ cdef inline object _field(object block, _Layout *lay, int field, str name):
         if value is not NULL:
             return <object>value
     lay.type = NULL
+    if optional:
+        return getattr(block, name, None)
     return getattr(block, name)
 
 
@@ -296,19 +301,6 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
     return None
 
 
-cdef inline object _block_id(object block, _Layout *lay):
-    """``getattr(block, "block_id", None)``, from the slot when the block's class has one."""
-    cdef PyObject *value
-    if Py_TYPE(block) != lay.type:
-        _learn(lay, block)
-    if lay.off[_BLOCK_ID] >= 0:
-        value = KVS_SLOT(<PyObject *>block, lay.off[_BLOCK_ID])
-        if value is not NULL:
-            return <object>value
-    lay.type = NULL
-    return getattr(block, "block_id", None)
-
-
 # Where one block class keeps its block_id, for the counts, which read no other field: the
 # one lookup in the class, not _learn's six, at each call (most move one block or a few).
 cdef struct _IdLayout:
@@ -396,7 +388,8 @@ def suspects(list freed, list counts, list pool_blocks):
     lay.type = NULL
     for batch in freed:
         for block in batch:
-            block_id = _own_id(block, _block_id(block, &lay), pool_blocks, counts)
+            value = _field(block, &lay, _BLOCK_ID, "block_id", True)
+            block_id = _own_id(block, value, pool_blocks, counts)
             if block_id < 0:
                 continue
             listed = <object>PyList_GET_ITEM(counts, block_id)

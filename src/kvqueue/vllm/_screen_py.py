@@ -179,7 +179,6 @@ def count(blocks: Any, pool_blocks: list[Any], counts: list[int], step: int) -> 
 
     A ``block_id`` read that raises AttributeError reads as none; any other exception raises
     through, the blocks before it counted."""
-    # count_one's body, inlined: this runs at every change of every listing.
     for block in blocks:
         block_id = getattr(block, "block_id", None)
         if (
@@ -193,15 +192,7 @@ def count(blocks: Any, pool_blocks: list[Any], counts: list[int], step: int) -> 
 
 def count_one(block: Any, pool_blocks: list[Any], counts: list[int], step: int) -> None:
     """:func:`count` of the one block ``block``; O(1)."""
-    block_id = getattr(block, "block_id", None)
-    # Both lengths read after the block's read, which may run code that changes them.
-    if (
-        type(block_id) is int
-        and 0 <= block_id < len(counts)
-        and block_id < len(pool_blocks)
-        and pool_blocks[block_id] is block
-    ):
-        counts[block_id] += step
+    count((block,), pool_blocks, counts, step)
 
 
 def suspects(freed: list[list[Any]], counts: list[int], pool_blocks: list[Any]) -> list[Any]:
