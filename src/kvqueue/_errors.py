@@ -232,6 +232,15 @@ def negative(n: int) -> ValueError:
     return ValueError(f"popleft_n() needs n >= 0, got {number(n)}")
 
 
+def compiled_missing(why: object) -> ImportError:
+    """The compiled twin, asked for by name, could not be imported (``why``)."""
+    return _said(
+        ImportError,
+        f"kvqueue's compiled queue is not available ({why}); "
+        "use install('python') or install('auto')",
+    )
+
+
 def not_a_first_block(block_type: type, why: TypeError) -> TypeError:
     return _said(
         TypeError,

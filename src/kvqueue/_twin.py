@@ -71,14 +71,9 @@ def named(implementation: str) -> Twin:
         try:
             return _compiled()
         except ImportError as exc:
-            from . import _render
+            from . import _errors
 
-            why = (
-                f"kvqueue's compiled queue is not available ({exc}); "
-                "use install('python') or install('auto')"
-            )
-
-            raise ImportError(_render.wrap(why, len("ImportError: "))) from exc
+            raise _errors.compiled_missing(exc) from exc
     if implementation == "python":
         return _pure("named")
     raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {implementation!r}")
