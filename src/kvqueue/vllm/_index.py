@@ -179,16 +179,14 @@ class Listed(list):  # type: ignore[type-arg]
         if type(where) is slice:
             value = list(value)
             list.__setitem__(self, where, value)
-            dropped, added = before, value
+            if self.tally is not None:
+                self.tally.add(before, -1)
+                self.tally.add(value)
         else:
             list.__setitem__(self, where, value)
             if self.tally is not None:
                 self.tally.add_one(before, -1)
                 self.tally.add_one(value)
-            return
-        if self.tally is not None:
-            self.tally.add(dropped, -1)
-            self.tally.add(added)
 
     def __delitem__(self, where: Any) -> None:
         before = list.__getitem__(self, where)
