@@ -152,7 +152,10 @@ def run(form: str) -> dict[str, Any]:
 
         manager.new_step_starts = new_step_starts
     else:
-        pool.free_blocks([block])  # the connector-like caller's extra free
+        try:
+            pool.free_blocks([block])  # the connector-like caller's extra free
+        except Exception as exc:
+            result["refused"] = f"{type(exc).__name__}: {exc}"
     if form == "shared":
         scheduler.finish_requests("A", ABORTED)
     # The free of form after_audit is yet to come.

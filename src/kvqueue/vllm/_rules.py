@@ -141,11 +141,14 @@ def free(
     policy: Policy,
     others: list[Other],
     call: Callable[[list[Any]], Any],
+    admit: Callable[[list[Any]], list[Any]] | None = None,
 ) -> Any:
     """``free_blocks`` / ``unpin_blocks`` whose ``plan`` the screen sent here: refused
     under ``"raise"``, repaired under ``"repair"``; ``call`` is vLLM's method, given what
     it is to free. ``others``: the pools of ``plan.others`` that kvqueue guards, each with
-    its guard's screens and policy, as the pool guard found them."""
+    its guard's screens and policy, as the pool guard found them. ``admit``: what of the
+    blocks left to free may be released (it raises, or leaves some out), asked before any
+    count moves."""
     if (plan.dropped or plan.linked or plan.strays) and policy(pool) == "raise":
         if plan.dropped or plan.linked:
             _raise_double_free(pool, method, plan)
@@ -155,6 +158,7 @@ def free(
     if method == "free_blocks":
         for other in others:
             _screen_other(line, *other)
+    kept = plan.kept if admit is None else admit(plan.kept)
     notes: list[_report.Note] = []
     queue = pool.free_block_queue
     for block in plan.linked:
@@ -162,7 +166,6 @@ def free(
         _report.repaired(pool, method, block, "held_free", notes)
     for block in plan.dropped:
         _report.repaired(pool, method, block, "double_free", notes)
-    kept = plan.kept
     if line.counts_first and method == "free_blocks":
         kept = once_each(plan.refs, kept)
     return _report.then_log(notes, call, kept)
