@@ -286,8 +286,8 @@ def test_every_counter_an_engine_writes_is_driven_here() -> None:
 
 # The functions that log a repair, each driven above: the queue's (both twins), the guard's
 # notes, the holder audit's, the free list's entry and exit (a prefix hit's included), a
-# free's release below its holders, the holder index's rebuild; _audit's log through its _logged. A repair
-# logged anywhere else has no counter this file checks.
+# free's release below its holders, the holder index's rebuild; _audit's log through its
+# _logged. A repair logged anywhere else has no counter this file checks.
 LOGGED_BY = {
     "_misuse",
     "log_notes",

@@ -170,6 +170,7 @@ def released_listed(call: str, block: str, what: str, where: str) -> HolderAudit
         where,
     )
 
+
 def _in_pool(cls: type[_E], said: str, where: str) -> _E:
     """What the guard or the audit raises: ``said``, then the pool and the caller on a line
     of their own, where an operator's eye finds them."""

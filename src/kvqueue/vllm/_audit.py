@@ -27,10 +27,13 @@ free list, on purpose: their listings are not audited (``_index.unpins``). Other
 blocks (a CPU pool's) are not counted: the audit is of the pool the scheduler allocates
 from.
 
-Between its full reads, a fault made after the audit in the same step (a release by any
-path but a guarded free, or one a callback made after the step started) is met at the free
-list's exit: ``get_new_blocks`` never hands out a block the holder index (``_index``)
-says a live request lists (:func:`hand_out`).
+The audit is the last of the checks a fault meets. A guarded free that would leave a block
+fewer references than listings is refused or left out at that free (:func:`release`), by
+anything but a manager of the pool; a block queued by hand while listed or held, at the free
+list's entry (:func:`enter`); whatever passes both (a manager's own free whose listing stays),
+at the free list's exit: ``get_new_blocks`` never hands out a block the holder index
+(``_index``) says a live request lists (:func:`hand_out`), nor a prefix hit takes one
+(:func:`touch_listed`).
 """
 
 from __future__ import annotations
@@ -394,20 +397,25 @@ def release(
             if key not in given:
                 order.append(block)
             given[key] = given.get(key, 0) + 1
-    faults: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]], int]] = []
+    below: list[tuple[Any, int]] = []
     for block in order:
         if block.is_null:
             continue
         refs = _rules.ref_count(pool, method, block)
-        if refs - given[id(block)] >= (index.listings(block) or 0):
-            continue
+        if refs - given[id(block)] < (index.listings(block) or 0):
+            below.append((block, refs))
+    # The manager first, in O(1): a mamba model's every state block freed comes here.
+    if not below or _by_manager(index):
+        return blocks
+    faults: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]], int]] = []
+    for block, refs in below:
         listed = index.holders(block)
         if not listed and _rebuilt(pool, index):
             listed = index.holders(block)
-        if refs - given[id(block)] < len(listed):
-            kind: _policy.PoolMisuse = "listed_free" if refs <= given[id(block)] else "under_counted"
-            faults.append((kind, block, listed, refs))
-    if not faults or _by_manager(index):
+        left = refs - given[id(block)]
+        if left < len(listed):
+            faults.append(("listed_free" if left <= 0 else "under_counted", block, listed, refs))
+    if not faults:
         return blocks
     if policy(pool) == "raise":
         kind, block, listed, refs = faults[0]
@@ -422,11 +430,11 @@ def release(
     allowed = {id(block): max(refs - len(listed), 0) for _, block, listed, refs in faults}
     kept = []
     for block in blocks:
-        left = allowed.get(id(block))
-        if left is None:
+        releases = allowed.get(id(block))
+        if releases is None:
             kept.append(block)
-        elif left > 0:
-            allowed[id(block)] = left - 1
+        elif releases > 0:
+            allowed[id(block)] = releases - 1
             kept.append(block)
     for kind, block, listed, refs in faults:
         what = f"{_who(listed)} lists (ref_cnt {_render.number(refs)})"

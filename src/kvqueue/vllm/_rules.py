@@ -10,6 +10,7 @@ per pool and logged under the rate limit); vLLM's own method does the rest:
   dropped, a linked one unlinked. A block of no pool (or, to ``unpin_blocks``, of another
   pool) that vLLM would queue here is refused before any count moves; another pool's
   blocks are screened under that pool's own ``"raise"`` before this pool frees anything;
+  on the scheduler's pool, a release below a block's listings is ``_audit.release``'s;
 * ``touch`` (:func:`touch`): a negative ``ref_cnt`` (a double free made unguarded) is
   taken as 0;
 * ``get_new_blocks`` (:func:`alloc`): a held block about to be handed out is unlinked
