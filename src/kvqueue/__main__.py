@@ -253,7 +253,8 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
             first="  ",
             more="    ",
         )
-    if plan["action"] == "install" and plan["called_by_vllm"] and settings and settings["pool_guard"]:
+    guarded = plan["action"] == "install" and plan["called_by_vllm"] and settings is not None
+    if guarded and settings["pool_guard"]:
         print("  checked where (what each refuses or repairs; the queue's methods: called by")
         print("  anything but a guarded free; new_step_starts: the holder audit):")
         for place, kinds in facts["checks"].items():
