@@ -161,13 +161,25 @@ def one_line(event: dict[str, Any]) -> str:
 
 def at_fault(run: Any) -> tuple[str, str]:
     """What the pool did with the double free: (one cell, the whole message or '')."""
-    refused = [one_line(e) for e in run.events("refused")]
-    refused += [one_line(e) for e in run.events("died") if "double free" in one_line(e)]
+    # A refusal at the faulty call: a double free (ValueError), or a free of a reference its
+    # holder still lists (HolderAuditError); the engine core dies of it, or the free is caught.
+    faulty = ("double free", "would release block")
+    refused = [(e.get("type", "ValueError"), one_line(e)) for e in run.events("refused")]
+    refused += [
+        (e["type"], one_line(e))
+        for e in run.events("died")
+        if any(what in one_line(e) for what in faulty)
+    ]
     audited = [one_line(e) for e in run.events("died") if "holder audit" in one_line(e)]
-    repaired = [one_line(e) for e in run.events("log") if "repaired a" in one_line(e)]
+    repaired = [
+        one_line(e)
+        for e in run.events("log")
+        if "repaired a" in one_line(e) or "released a held reference" in one_line(e)
+    ]
     violations = run.events("violation")
     if refused:
-        return f"refused at {call_in(refused[0])}: ValueError", refused[0]
+        kind, message = refused[0]
+        return f"refused at {call_in(message)}: {kind}", message
     if audited:
         return "refused where the next step started: HolderAuditError", audited[0]
     if repaired:
@@ -196,7 +208,7 @@ def excerpt(run: Any) -> str:
     died = run.events("died")
     if refused or not died:
         return refused
-    message = died[0]["message"] or "(no message)"
+    message = " ".join(died[0]["message"].split()) or "(no message)"
     return f"the engine core died of {died[0]['type']}: {message} at {died[0]['raised_at']}"
 
 

@@ -36,6 +36,14 @@ class FullAttentionManager:
         self.block_pool = block_pool
         self.req_to_blocks: Any = defaultdict(list)
 
+    def free_state(self, request: str, i: int, replaced: bool = True) -> None:
+        """vLLM's mamba manager's order: a block it lists freed, then (``replaced``) the null
+        block listed in its place."""
+        blocks = self.req_to_blocks[request]
+        self.block_pool.free_blocks([blocks[i]])
+        if replaced:
+            blocks[i] = self.block_pool.null_block
+
 
 class HiSparseHotManager(FullAttentionManager):
     """Named as HiSparse's: it keeps unpinned pages listed, and its table is its own."""
@@ -553,19 +561,50 @@ def test_a_held_block_is_not_queued_and_the_rest_of_its_batch_is(guarded_entry: 
     assert len(pool.get_new_blocks(free + 1)) == free + 1
 
 
-def test_a_guarded_free_passes_the_entry(guarded_entry: Any) -> None:
-    """vLLM's own frees are checked by their guard, at the exit and by the audit: the entry
-    lets them by, even one that frees a block before its listing is replaced (vLLM's mamba
-    manager frees a state block, then lists the null block in its place)."""
+def test_a_manager_frees_a_block_it_lists_then_replaces_it(guarded_entry: Any) -> None:
+    """vLLM's own frees are checked by their guard, not at the entry; a manager of the pool
+    may free a block before its listing is replaced (vLLM's mamba manager frees a state
+    block, then lists the null block in its place)."""
     _, pool, manager = guarded_entry
     table = manager.req_to_blocks
     table["A"].extend(pool.get_new_blocks(2))
     block = table["A"][0]
-    pool.free_blocks([block])
-    table["A"][0] = pool.null_block
+    manager.free_state("A", 0)
     assert block.prev_free_block is not None
     assert sum(_report.pool_repairs(pool).values()) == 0
     consistent(pool)
+
+
+def test_a_free_of_a_reference_its_holder_holds_is_the_faulty_call(
+    guarded_entry: Any, repair_log: Any
+) -> None:
+    """Anything but a manager of the pool (a connector's callback) that frees a reference a
+    live request still holds: refused before any count moves, named with the caller's file
+    and line; or left out, the block with its holder."""
+    policy, pool, manager = guarded_entry
+    table = manager.req_to_blocks
+    table["A"].extend(pool.get_new_blocks(2))
+    block = table["A"][1]
+    if policy == "raise":
+        before = state(pool)
+        for _ in range(2):  # and again, while the fault stands
+            with pytest.raises(_errors.HolderAuditError) as caught:
+                pool.free_blocks([block])
+            assert state(pool) == before
+        message = one_line(caught.value)
+        said = f"BlockPool.free_blocks() would release block {block.block_id}, which "
+        assert message.startswith(said + "request 'A' (FullAttentionManager) lists (ref_cnt 1)")
+        assert "nothing was released" in message
+        assert "test_holder_index.py" in message  # the faulty call, file and line
+        return
+    (other,) = pool.get_new_blocks(1)
+    pool.free_blocks([block, other])
+    assert block.ref_cnt == 1
+    assert block.prev_free_block is None
+    assert other.prev_free_block is not None  # listed by none: the rest of the batch is freed
+    assert {k: n for k, n in _report.pool_repairs(pool).items() if n} == {"listed_free": 1}
+    (record,) = [r for r in repair_log.records if "a held reference" in r.getMessage()]
+    assert f"block {block.block_id}, which request 'A'" in one_line(record.getMessage())
 
 
 def test_the_entry_is_open_once_the_guard_is_off(queue_mod: ModuleType) -> None:
@@ -638,8 +677,10 @@ def test_between_full_reads_a_listed_block_freed_is_found_at_the_next_step(
         table = manager.req_to_blocks
         table["A"].extend(pool.get_new_blocks(2))
         _audit.audit_holders(kv, screen, policy_of, 64)
+        # A manager's own free that does not drop its listing: let through at the free,
+        # found at the next step.
         block = table["A"][1]
-        pool.free_blocks([block])  # A still lists it: a guarded free of a held reference
+        manager.free_state("A", 1, replaced=False)
         if policy == "raise":
             for _ in range(2):  # and again, while the fault stands
                 with raises_said(_errors.HolderAuditError, f"block {block.block_id} is"):

@@ -296,3 +296,13 @@ def test_the_installed_vllm_version_and_verdict(tmp_path: Any) -> None:
         assert f"\nvLLM {version}: {said}" in text.replace("\n  ", " ")
     assert f"make vllm-line-check VLLM={newer}" in found["verdict"]
     assert f"({newest.name}, proven at {newest.release})" in found["verdict"]
+
+
+def test_the_checks_reported_are_the_registrys() -> None:
+    from kvqueue.vllm import _registry
+
+    checks = report()["checks"]
+    assert checks["BlockPool.free_blocks"] == list(_registry.GUARDED["free_blocks"])
+    assert checks["FreeKVCacheBlockQueue.prepend_n"] == ["held_free", "listed_free"]
+    assert checks["KVCacheManager.new_step_starts"][0] == "listed_free"
+    assert len(checks) == len(_registry.KINDS)

@@ -88,9 +88,11 @@ def test_every_counter_an_engine_can_move() -> None:
     assert ("repaired", "get_new_blocks", "listed_free") in found
     # The free list's entry refuses or repairs a held or listed block, at each of its doors.
     assert ("refused", "prepend_n", "listed_free") in found
+    # A free refuses or repairs a release below the block's holders.
+    assert ("repaired", "free_blocks", "under_counted") in found
     queue = 2 + 3 + 4 + 4 + 2
     entry = 3 * 2
-    assert len(found) == len(set(found)) == 2 * (2 + 2 + 2 + 3 + entry + 4) + 4 + 1 + queue
+    assert len(found) == len(set(found)) == 2 * (3 + 2 + 4 + 2 + entry + 4) + 4 + 1 + queue
     unguarded = _metrics.combinations([], False)
     assert not any(method == "new_step_starts" for _, method, _ in unguarded)
     assert len(unguarded) == queue

@@ -19,7 +19,7 @@ from kvqueue import KVCacheBlock, _policy
 from kvqueue.vllm import _audit, _index, _metrics, _pool_guard, _registry, _report
 
 from support.fake_pool import guarded, line, make_pool, policy_of, screen_of
-from support.helpers import bound_queue, raises_said
+from support.helpers import bound_queue, one_line, raises_said
 
 NEWEST = line("0.34")
 SOURCES = Path(__file__).parents[1] / "src" / "kvqueue"
@@ -165,6 +165,16 @@ def _entry(pool: Any, queue_mod: ModuleType, *, method: str, kind: str) -> None:
     queue.append(block) if method == "append" else getattr(queue, method)([block])
 
 
+def _released_listed(pool: Any, queue_mod: ModuleType, *, kind: str) -> None:
+    """A guarded free of a reference the block's holder holds (``under_counted``: one of two
+    holders' two references)."""
+    manager, block = _listed(pool, entry=True)
+    if kind == "under_counted":
+        manager.req_to_blocks["B"].append(block)
+        pool.touch([block])
+    pool.free_blocks([block])
+
+
 def _listed_touched(pool: Any) -> None:
     """A prefix hit on a block its holder lists, released by no guarded free."""
     _, block = _listed(pool)
@@ -201,6 +211,8 @@ def _audited(pool: Any, queue_mod: ModuleType, *, kind: str) -> None:
 GUARD_CALLS: dict[tuple[str, str], Callable[[Any, ModuleType], object]] = {
     ("free_blocks", "double_free"): lambda pool, mod: _double_free(pool, "free_blocks"),
     ("free_blocks", "held_free"): lambda pool, mod: _held_free(pool, "free_blocks"),
+    ("free_blocks", "listed_free"): functools.partial(_released_listed, kind="listed_free"),
+    ("free_blocks", "under_counted"): functools.partial(_released_listed, kind="under_counted"),
     ("unpin_blocks", "double_free"): lambda pool, mod: _double_free(pool, "unpin_blocks"),
     ("unpin_blocks", "held_free"): lambda pool, mod: _held_free(pool, "unpin_blocks"),
     ("touch", "negative_ref"): lambda pool, mod: _negative_touch(pool),
@@ -236,7 +248,7 @@ def test_each_repair_of_the_guard_moves_its_counter_once(
     others = repairs.keys() - {("repaired", method, kind)}
     assert all(outcome == "queue_repaired" for outcome, _, _ in others)
     assert len(repair_log.records) == sum(repairs.values())
-    assert any(f"({kind} #1 on this pool)" in r.getMessage() for r in repair_log.records)
+    assert any(f"({kind} #1 on this pool)" in one_line(r.getMessage()) for r in repair_log.records)
 
 
 def test_a_stale_holder_index_rebuilt_moves_its_counter_once(
@@ -273,9 +285,9 @@ def test_every_counter_an_engine_writes_is_driven_here() -> None:
 
 
 # The functions that log a repair, each driven above: the queue's (both twins), the guard's
-# notes, the holder audit's, the free list's entry and exit (a prefix hit's included), the
-# holder index's rebuild; _audit's log through its _logged. A repair
-# logged anywhere else has no counter this file checks.
+# notes, the holder audit's, the free list's entry and exit (a prefix hit's included), a
+# free's release below its holders, the holder index's rebuild; _audit's log through its
+# _logged. A repair logged anywhere else has no counter this file checks.
 LOGGED_BY = {
     "_misuse",
     "log_notes",
@@ -283,6 +295,7 @@ LOGGED_BY = {
     "enter",
     "hand_out",
     "touch_listed",
+    "release",
     "_logged",
     "_rebuilt",
 }

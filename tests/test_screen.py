@@ -441,6 +441,8 @@ def test_a_raising_block_id_raises_through_the_counts(screen: ModuleType) -> Non
         screen.count_one(broken, pool_blocks, counts, 1)
     with pytest.raises(LookupError, match="block_id"):
         screen.suspects([[broken]], counts, pool_blocks)
+    with pytest.raises(LookupError, match="block_id"):
+        screen.first_under_listed([broken], counts, pool_blocks)
 
 
 class Meddling:
@@ -551,8 +553,43 @@ def test_suspects(screen: ModuleType) -> None:
     assert screen.suspects([[held]], [0] * 8, pool_blocks) == []
 
 
+def test_first_under_listed(screen: ModuleType) -> None:
+    """Before a free: the first block whose one release would leave it fewer references than
+    listings (the holder index's), fields read in the order ``block_id``, ``is_null``,
+    ``ref_cnt``, only for a listed block of the pool."""
+    pool_blocks = [Suspect(i) for i in range(8)]
+    counts: list[Any] = [1, 0, 2, 1, 1, 1, 1, 1]
+    held, free, shared, odd, null, last = (pool_blocks[i] for i in (0, 1, 2, 3, 4, 5))
+    held.set(ref_cnt=2)  # one more reference than listings: its release is legal
+    shared.set(ref_cnt=3)
+    odd.set(ref_cnt=_Id(5))  # no int exactly
+    null.set(is_null=True)
+    last.set(ref_cnt=1)  # its only reference, and listed
+    stranger = Suspect(0)  # another pool's block at a listed id
+    Suspect.reads.clear()
+    blocks = [held, free, shared, stranger, null, Suspect(None), Suspect(9), odd, last]
+    assert screen.first_under_listed(blocks, counts, pool_blocks) == 7
+    assert Suspect.reads == [
+        *("block_id", "is_null", "ref_cnt"),  # held
+        "block_id",  # free: listed by none
+        *("block_id", "is_null", "ref_cnt"),  # shared: 3 references, 2 listings
+        "block_id",  # stranger
+        *("block_id", "is_null"),  # null
+        "block_id",
+        "block_id",
+        *("block_id", "is_null", "ref_cnt"),  # odd
+    ]
+    assert screen.first_under_listed([held, last], counts, pool_blocks) == 1
+    shared.set(ref_cnt=2)
+    assert screen.first_under_listed([shared], counts, pool_blocks) == 0
+    assert screen.first_under_listed([held, free], counts, pool_blocks) == -1
+    assert screen.first_under_listed([], counts, pool_blocks) == -1
+    assert screen.first_under_listed([last], [0] * 8, pool_blocks) == -1
+
+
 def _count_cycles(screen: ModuleType, cycles: int) -> None:
-    """The counts and the suspects over slotted blocks, strangers and raising reads."""
+    """The counts, the suspects and the screen of releases over slotted blocks, strangers
+    and raising reads."""
     pool_blocks = [KVCacheBlock(i) for i in range(16)]
     for block in pool_blocks:
         block.ref_cnt = 1
@@ -564,6 +601,7 @@ def _count_cycles(screen: ModuleType, cycles: int) -> None:
         screen.count(batch, pool_blocks, counts, 1)
         screen.count_one(pool_blocks[i % 16], pool_blocks, counts, 1)
         screen.suspects([batch, pool_blocks[8:]], counts, pool_blocks)
+        screen.first_under_listed(batch, counts, pool_blocks)
         screen.count_one(pool_blocks[i % 16], pool_blocks, counts, -1)
         screen.count(iter(batch), pool_blocks, counts, -1)
         if i % 7 == 0:

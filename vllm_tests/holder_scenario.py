@@ -148,11 +148,15 @@ def run(form: str) -> dict[str, Any]:
             # Queued first, as each line queues a block it holds no hash for (vLLM 0.23
             # is told so; later lines do so themselves; earlier lines queue it last).
             pool.free_blocks([block], **first)
-            to_front(pool.free_block_queue, block)
+            if block.prev_free_block is not None:  # not left out by a repair
+                to_front(pool.free_block_queue, block)
 
         manager.new_step_starts = new_step_starts
     else:
-        pool.free_blocks([block])  # the connector-like caller's extra free
+        try:
+            pool.free_blocks([block])  # the connector-like caller's extra free
+        except Exception as exc:
+            result["refused"] = f"{type(exc).__name__}: {exc}"
     if form == "shared":
         scheduler.finish_requests("A", ABORTED)
     # The free of form after_audit is yet to come.

@@ -264,11 +264,14 @@ def test_kvqueue_lines_in_vllms_own_log() -> None:
     ), lines
 
 
-def diagnose(**env: str) -> subprocess.CompletedProcess[str]:
+def diagnose(*, plain: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "VLLM_PLUGINS"))}
     clean.update(env, VLLM_TARGET_DEVICE="cpu")
     return subprocess.run(
-        [sys.executable, "-m", "kvqueue", "--json"], env=clean, capture_output=True, text=True
+        [sys.executable, "-m", "kvqueue", *([] if plain else ["--json"])],
+        env=clean,
+        capture_output=True,
+        text=True,
     )
 
 
@@ -285,6 +288,27 @@ def test_python_m_kvqueue_with_the_plugin_on() -> None:
         "wrap_foreign": False,
         "audit_every": 0,
     }
+
+
+def test_python_m_kvqueue_says_what_is_checked_where() -> None:
+    done = diagnose(plain=True, KVQUEUE_VLLM="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = re.findall(r"^    (\w+\.\w+) +(\S.*)$", done.stdout, re.M)
+    assert said == [
+        ("BlockPool.get_new_blocks", "held_free, negative_ref, listed_free"),
+        ("BlockPool.touch", "negative_ref, listed_free"),
+        ("BlockPool.free_blocks", "double_free, held_free, listed_free, under_counted"),
+        ("BlockPool.unpin_blocks", "double_free, held_free"),
+        ("FreeKVCacheBlockQueue.append", "held_free, listed_free"),
+        ("FreeKVCacheBlockQueue.append_n", "held_free, listed_free"),
+        ("FreeKVCacheBlockQueue.prepend_n", "held_free, listed_free"),
+        (
+            "KVCacheManager.new_step_starts",
+            "listed_free, listed_twice, two_managers, under_counted",
+        ),
+    ]
+    unguarded = diagnose(plain=True, KVQUEUE_VLLM="1", KVQUEUE_POOL_GUARD="0")
+    assert "checked where" not in unguarded.stdout
 
 
 def test_python_m_kvqueue_says_when_vllm_will_not_call_it() -> None:

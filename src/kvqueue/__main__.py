@@ -55,6 +55,7 @@ def report() -> tuple[dict[str, Any], list[str]]:
         "why": why,
         "environment": {name: os.environ.get(name) for name in _env.USER},
         "accepted_vllm_lines": [line.release for line in _lines.LINES],
+        "checks": checks(),
     }
     facts["vllm"] = vllm
     reason = decided.reason
@@ -81,6 +82,14 @@ def report() -> tuple[dict[str, Any], list[str]]:
     if decided.action == "install" and after and settings and settings["pool_guard"]:
         problems += _bypassing(after)
     return facts, problems
+
+
+def checks() -> dict[str, list[str]]:
+    """Where the pool guard checks, with what each place refuses or repairs (the registry's)."""
+    where = {f"BlockPool.{name}": kinds for name, kinds in _registry.GUARDED.items()}
+    where |= {f"FreeKVCacheBlockQueue.{name}": kinds for name, kinds in _registry.ENTRY.items()}
+    where[f"KVCacheManager.{_registry.AUDIT_HOOK}"] = _registry.KINDS[_registry.AUDIT_HOOK]
+    return {place: list(kinds) for place, kinds in where.items()}
 
 
 def _others(vllm: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -244,6 +253,12 @@ def _print(facts: dict[str, Any], problems: list[str]) -> None:
             first="  ",
             more="    ",
         )
+    guarded = plan["action"] == "install" and plan["called_by_vllm"] and settings is not None
+    if guarded and settings["pool_guard"]:
+        print("  checked where (what each refuses or repairs; the queue's methods: called by")
+        print("  anything but a guarded free; new_step_starts: the holder audit):")
+        for place, kinds in facts["checks"].items():
+            print(f"    {place:<38} {', '.join(kinds)}")
     if plan["action"] in ("install", "stay_off") and plan["called_by_vllm"]:
         said = "active)" if plan["action"] == "install" else "not active, and why)"
         names = ", ".join(f"{name}_total" for name in _metrics.COUNTERS)

@@ -162,6 +162,15 @@ def queued_held(call: str, block: str, what: str, where: str) -> HolderAuditErro
     )
 
 
+def released_listed(call: str, block: str, what: str, where: str) -> HolderAuditError:
+    return _in_pool(
+        HolderAuditError,
+        f"{call} would release block {block}, which {what}: it would be left fewer references "
+        "than holders, and once free handed to a second holder; nothing was released.",
+        where,
+    )
+
+
 def _in_pool(cls: type[_E], said: str, where: str) -> _E:
     """What the guard or the audit raises: ``said``, then the pool and the caller on a line
     of their own, where an operator's eye finds them."""

@@ -185,7 +185,7 @@ class CheckedScheduler(Scheduler):
         if self.left.get("C") and self.pool.get_num_free_blocks() == 0:
             self._plant()
         if self.left.get("D") and len(self.running) >= RUNNING_FOR_D:
-            self._release()
+            self._watched(self._release)
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:

@@ -27,10 +27,13 @@ free list, on purpose: their listings are not audited (``_index.unpins``). Other
 blocks (a CPU pool's) are not counted: the audit is of the pool the scheduler allocates
 from.
 
-Between its full reads, a fault made after the audit in the same step (a release by any
-path but a guarded free, or one a callback made after the step started) is met at the free
-list's exit: ``get_new_blocks`` never hands out a block the holder index (``_index``)
-says a live request lists (:func:`hand_out`).
+The audit is the last of the checks a fault meets. A guarded free that would leave a block
+fewer references than listings is refused or left out at that free (:func:`release`), by
+anything but a manager of the pool; a block queued by hand while listed or held, at the free
+list's entry (:func:`enter`); whatever passes both (a manager's own free whose listing stays),
+at the free list's exit: ``get_new_blocks`` never hands out a block the holder index
+(``_index``) says a live request lists (:func:`hand_out`), nor a prefix hit takes one
+(:func:`touch_listed`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 from .. import _errors, _log, _policy, _render
 from . import _index, _registry, _report, _rules
 
-__all__ = ("audit_holders", "enter", "hand_out", "touch_listed")
+__all__ = ("audit_holders", "enter", "hand_out", "release", "touch_listed")
 
 # Per KVCacheManager: the guarded frees made when it was last audited, and the steps since
 # its last full audit.
@@ -369,6 +372,91 @@ def enter(
         call,
     )
     return kept
+
+
+def release(
+    pool: Any, method: str, blocks: list[Any], index: _index.Index, policy: Callable[[Any], str]
+) -> list[Any]:
+    """Of a guarded free of ``blocks``, what it may release: a release that would leave a
+    block fewer references than live requests list it (a reference freed that its holder
+    still holds) is the faulty call. ``"raise"``: HolderAuditError before anything is
+    released, naming the block, its holders and the call; ``"repair"``: that block's excess
+    releases are left out (counted as ``listed_free`` where the block would have been queued
+    free, ``under_counted`` where it would have kept fewer references than holders, and
+    logged): it stays with its holders. O(len(blocks)), O(listings) to name a holder.
+
+    A manager of the pool that frees a block it still lists is let through: vLLM's mamba
+    manager frees a state block and lists the null block in its place just after. Such a
+    block, if it stays listed, is met at the free list's exit and by the next full read.
+    """
+    given: dict[int, int] = {}
+    order: list[Any] = []
+    for block in blocks:
+        if index.listings(block):
+            key = id(block)
+            if key not in given:
+                order.append(block)
+            given[key] = given.get(key, 0) + 1
+    below: list[tuple[Any, int]] = []
+    for block in order:
+        if block.is_null:
+            continue
+        refs = _rules.ref_count(pool, method, block)
+        if refs - given[id(block)] < (index.listings(block) or 0):
+            below.append((block, refs))
+    # The manager first, in O(1): a mamba model's every state block freed comes here.
+    if not below or _by_manager(index):
+        return blocks
+    faults: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]], int]] = []
+    for block, refs in below:
+        listed = index.holders(block)
+        if not listed and _rebuilt(pool, index):
+            listed = index.holders(block)
+        left = refs - given[id(block)]
+        if left < len(listed):
+            faults.append(("listed_free" if left <= 0 else "under_counted", block, listed, refs))
+    if not faults:
+        return blocks
+    if policy(pool) == "raise":
+        kind, block, listed, refs = faults[0]
+        _report.count_refusal(method, kind)
+        what = f"{_who(listed)} lists (ref_cnt {_render.number(refs)})"
+        raise _errors.released_listed(
+            _report.call(method), _report.named(block), what, _report.where(pool)
+        )
+    lines = []
+    # Each faulty block keeps the references its holders hold: its first releases, up to
+    # what it holds beyond them, go ahead, the rest are left out.
+    allowed = {id(block): max(refs - len(listed), 0) for _, block, listed, refs in faults}
+    kept = []
+    for block in blocks:
+        releases = allowed.get(id(block))
+        if releases is None:
+            kept.append(block)
+        elif releases > 0:
+            allowed[id(block)] = releases - 1
+            kept.append(block)
+    for kind, block, listed, refs in faults:
+        what = f"{_who(listed)} lists (ref_cnt {_render.number(refs)})"
+        count = _report.count_repair(pool, kind, method)
+        lines.append((kind, count, _report.named(block), what))
+    _logged(
+        pool,
+        lines,
+        "%s would have released a held reference (%s #%d on this pool): block "
+        "%s, which %s: left with its holders. %s",
+        _report.call(method),
+    )
+    return kept
+
+
+def _by_manager(index: _index.Index) -> bool:
+    """Whether the guarded method's caller is a manager whose ``req_to_blocks`` is one of
+    ``index``'s tables. O(1)."""
+    frame = _report.caller()
+    owner = None if frame is None else frame.f_locals.get("self")
+    table = getattr(owner, "__dict__", {}).get("req_to_blocks")
+    return type(table) is _index.Table and table.tally is index
 
 
 def _refused(

@@ -301,14 +301,26 @@ def _adapter(made: _Guard, line: Any, rule: Rule) -> Callable[..., Any]:
 def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_excess = made.screen.first_excess
+    first_under_listed = made.screen.first_under_listed
     freed = _report.freed
     own = line.has_pool_field
     weak = line.weak_pool
+    # A release is checked against the listings at free_blocks; unpin_blocks releases
+    # HiSparse's pages, whose listings the holder index leaves to their managers.
+    releases = made.name == "free_blocks"
 
-    def screened(self: Any, blocks: list[Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+    def screened(
+        self: Any,
+        blocks: list[Any],
+        args: tuple[Any, ...],
+        kwargs: Any,
+        index: _index.Index | None,
+    ) -> Any:
         # What the pool's own blocks hold as their pool (line.pool_ref, inlined: every call).
         found = first_excess(blocks, self._weak_self if weak else self if own else None)
-        if found == -1:
+        if found == -1 and (
+            index is None or first_under_listed(blocks, index.counts, index.blocks) < 0
+        ):
             return original(self, blocks, *args, **kwargs)
         return _slow(
             made,
@@ -316,7 +328,7 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             blocks,
             args,
             kwargs,
-            lambda call: _free(made, line, self, blocks, call),
+            lambda call: _free(made, line, self, blocks, call, index),
         )
 
     def free(self: Any, blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -326,13 +338,12 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         freed(blocks)
         door = getattr(self.free_block_queue, "gate", None)
         if type(door) is not _Door:
-            return screened(self, blocks, args, kwargs)
-        # A free screened here passes the free list's entry: its blocks are checked here,
-        # at the exit and by the audit (vLLM's mamba manager frees a block a step's
-        # request still lists, and lists the null block in its place just after).
+            return screened(self, blocks, args, kwargs, None)
+        # A free screened here passes the free list's entry: its releases are checked here
+        # against the holder index, before vLLM's method moves a count.
         door.freeing += 1
         try:
-            return screened(self, blocks, args, kwargs)
+            return screened(self, blocks, args, kwargs, door.index if releases else None)
         finally:
             door.freeing -= 1
 
@@ -512,17 +523,30 @@ def _free_guard_of(pool: Any) -> _Guard | None:
 
 
 def _free(
-    made: _Guard, line: Any, pool: Any, blocks: list[Any], call: Callable[[list[Any]], Any]
+    made: _Guard,
+    line: Any,
+    pool: Any,
+    blocks: list[Any],
+    call: Callable[[list[Any]], Any],
+    index: _index.Index | None,
 ) -> Any:
     """The free rule of what the screen flagged, handed the guard of each other pool the
-    free gives blocks to (the rules never look a guard up)."""
+    free gives blocks to (the rules never look a guard up) and, with ``index``, the check
+    of each release against the holder index."""
     plan = _rules.FreePlan(pool, blocks, line, made.name)
     others: list[_rules.Other] = []
     for owner, group in plan.others.values():
         theirs = _free_guard_of(owner)
         if theirs is not None:
             others.append((owner, group, theirs.screen, theirs.policy))
-    return _rules.free(pool, plan, line, made.name, made.policy, others, call)
+    admit = None
+    if index is not None:
+        held = index
+
+        def admit(kept: list[Any]) -> list[Any]:
+            return _audit.release(pool, made.name, kept, held, made.policy)
+
+    return _rules.free(pool, plan, line, made.name, made.policy, others, call, admit)
 
 
 def _slow(

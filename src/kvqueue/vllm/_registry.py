@@ -18,7 +18,7 @@ __all__ = ("AUDIT_HOOK", "CORRECTED", "ENTRY", "GUARDED", "KINDS")
 GUARDED: dict[str, tuple[PoolMisuse, ...]] = {
     "get_new_blocks": ("held_free", "negative_ref", "listed_free"),
     "touch": ("negative_ref", "listed_free"),
-    "free_blocks": ("double_free", "held_free"),
+    "free_blocks": ("double_free", "held_free", "listed_free", "under_counted"),
     "unpin_blocks": ("double_free", "held_free"),
 }
 #: The ``KVCacheManager`` method the holder audit runs in: the first the scheduler calls in a

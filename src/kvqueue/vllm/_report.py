@@ -23,6 +23,7 @@ __all__ = (
     "audit_findings",
     "audited_steps",
     "call",
+    "caller",
     "count_audit",
     "count_finding",
     "count_queue_repair",
@@ -180,7 +181,7 @@ def log_notes(notes: list[Note]) -> None:
 def freed(blocks: list[Any]) -> None:
     """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`. Called by the
     free guard alone: the two frames above this one are the guard's. O(kvqueue's frames)."""
-    # The walk starts at the guard's caller: each frame object _caller would step through is
+    # The walk starts at the guard's caller: each frame object caller() would step through is
     # made on the way (the interpreter makes them only when asked), a cost at every free.
     try:
         frame = _outside(sys._getframe(_FREE_DEPTH))
@@ -227,7 +228,7 @@ def call(method: str) -> str:
 
 def where(pool: Any) -> str:
     """Which pool, and the caller of the guarded method (the code that misused it)."""
-    frame = _caller()
+    frame = caller()
     site = "unknown"
     if frame is not None:
         site = _site(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
@@ -235,7 +236,7 @@ def where(pool: Any) -> str:
     return f"Pool: BlockPool at {id(pool):#x} ({blocks} blocks); called from {site}"
 
 
-def _caller() -> Any:
+def caller() -> Any:
     """The code that called the guarded method: the first frame outside kvqueue's guard
     (None: the stack holds no other). Walked, not counted: how many of kvqueue's frames lie
     between differs by method, rule and line."""

@@ -10,6 +10,7 @@ per pool and logged under the rate limit); vLLM's own method does the rest:
   dropped, a linked one unlinked. A block of no pool (or, to ``unpin_blocks``, of another
   pool) that vLLM would queue here is refused before any count moves; another pool's
   blocks are screened under that pool's own ``"raise"`` before this pool frees anything;
+  on the scheduler's pool, a release below a block's listings is ``_audit.release``'s;
 * ``touch`` (:func:`touch`): a negative ``ref_cnt`` (a double free made unguarded) is
   taken as 0;
 * ``get_new_blocks`` (:func:`alloc`): a held block about to be handed out is unlinked
@@ -141,11 +142,14 @@ def free(
     policy: Policy,
     others: list[Other],
     call: Callable[[list[Any]], Any],
+    admit: Callable[[list[Any]], list[Any]] | None = None,
 ) -> Any:
     """``free_blocks`` / ``unpin_blocks`` whose ``plan`` the screen sent here: refused
     under ``"raise"``, repaired under ``"repair"``; ``call`` is vLLM's method, given what
     it is to free. ``others``: the pools of ``plan.others`` that kvqueue guards, each with
-    its guard's screens and policy, as the pool guard found them."""
+    its guard's screens and policy, as the pool guard found them. ``admit``: what of the
+    blocks left to free may be released (it raises, or leaves some out), asked before any
+    count moves."""
     if (plan.dropped or plan.linked or plan.strays) and policy(pool) == "raise":
         if plan.dropped or plan.linked:
             _raise_double_free(pool, method, plan)
@@ -155,6 +159,7 @@ def free(
     if method == "free_blocks":
         for other in others:
             _screen_other(line, *other)
+    kept = plan.kept if admit is None else admit(plan.kept)
     notes: list[_report.Note] = []
     queue = pool.free_block_queue
     for block in plan.linked:
@@ -162,7 +167,6 @@ def free(
         _report.repaired(pool, method, block, "held_free", notes)
     for block in plan.dropped:
         _report.repaired(pool, method, block, "double_free", notes)
-    kept = plan.kept
     if line.counts_first and method == "free_blocks":
         kept = once_each(plan.refs, kept)
     return _report.then_log(notes, call, kept)

@@ -7,6 +7,7 @@ from ._screen_py import first_held_free as first_held_free
 from ._screen_py import first_listed as first_listed
 from ._screen_py import first_listed_free as first_listed_free
 from ._screen_py import first_negative as first_negative
+from ._screen_py import first_under_listed as first_under_listed
 from ._screen_py import holder_faults as holder_faults
 
 __all__ = (
@@ -18,5 +19,6 @@ __all__ = (
     "first_listed",
     "first_listed_free",
     "first_negative",
+    "first_under_listed",
     "holder_faults",
 )

@@ -40,6 +40,7 @@ __all__ = (
     "first_listed",
     "first_listed_free",
     "first_negative",
+    "first_under_listed",
     "holder_faults",
     "suspects",
 )
@@ -372,6 +373,35 @@ def count_one(object block, list pool_blocks, list counts, object step):
     block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
     if block_id >= 0:
         _add(counts, block_id, step)
+
+
+def first_under_listed(list blocks, list counts, list pool_blocks):
+    """The index of the first block that a live request lists (``counts[block_id]`` not 0,
+    the holder index's, the block ``pool_blocks[block_id]``, its ``block_id`` an int
+    exactly), not null, whose ``ref_cnt`` is at most its listings (one release would leave
+    it fewer references than listings) or no int, exactly; else -1. O(len(blocks)).
+
+    Fields are read in the order ``block_id``, ``is_null``, ``ref_cnt``; a ``block_id`` read
+    that raises AttributeError reads as none."""
+    cdef Py_ssize_t i = 0, block_id
+    cdef Py_ssize_t n = len(blocks)
+    cdef object block
+    cdef _Layout lay
+    lay.type = NULL
+    while i < len(blocks) and i < n:
+        block = blocks[i]
+        i += 1
+        value = _field(block, &lay, _BLOCK_ID, "block_id", True)
+        block_id = _own_id(block, value, pool_blocks, counts)
+        if block_id < 0:
+            continue
+        listed = <object>PyList_GET_ITEM(counts, block_id)
+        if not listed or _is_null(block, &lay):
+            continue
+        refs = _field(block, &lay, _REF_CNT, "ref_cnt")
+        if type(refs) is not int or refs <= listed:
+            return i - 1
+    return -1
 
 
 def suspects(list freed, list counts, list pool_blocks):

@@ -32,6 +32,7 @@ __all__ = (
     "first_listed",
     "first_listed_free",
     "first_negative",
+    "first_under_listed",
     "holder_faults",
     "suspects",
 )
@@ -195,6 +196,24 @@ def count_one(block: Any, pool_blocks: list[Any], counts: list[int], step: int) 
     count((block,), pool_blocks, counts, step)
 
 
+def first_under_listed(blocks: list[Any], counts: list[int], pool_blocks: list[Any]) -> int:
+    """The index of the first block that a live request lists (``counts[block_id]`` not 0,
+    the holder index's, the block ``pool_blocks[block_id]``, its ``block_id`` an int
+    exactly), not null, whose ``ref_cnt`` is at most its listings (one release would leave
+    it fewer references than listings) or no int, exactly; else -1. O(len(blocks)).
+
+    Fields are read in the order ``block_id``, ``is_null``, ``ref_cnt``; a ``block_id`` read
+    that raises AttributeError reads as none."""
+    for i, block in zip(range(len(blocks)), blocks, strict=False):
+        listed = _own_listings(block, counts, pool_blocks)
+        if not listed or block.is_null:
+            continue
+        refs = block.ref_cnt
+        if type(refs) is not int or refs <= listed:
+            return i
+    return -1
+
+
 def suspects(freed: list[list[Any]], counts: list[int], pool_blocks: list[Any]) -> list[Any]:
     """Of the blocks of the batches ``freed``, in order, those a live request lists
     (``counts[block_id]`` not 0, the holder index's, the block ``pool_blocks[block_id]``,
@@ -206,21 +225,28 @@ def suspects(freed: list[list[Any]], counts: list[int], pool_blocks: list[Any]) 
     found = []
     for batch in freed:
         for block in batch:
-            block_id = getattr(block, "block_id", None)
-            if (
-                type(block_id) is not int
-                or not 0 <= block_id < len(counts)
-                or block_id >= len(pool_blocks)
-                or pool_blocks[block_id] is not block
-            ):
-                continue
-            listed = counts[block_id]
+            listed = _own_listings(block, counts, pool_blocks)
             if not listed or block.is_null:
                 continue
             refs = block.ref_cnt
             if block.prev_free_block is not None or type(refs) is not int or refs < listed:
                 found.append(block)
     return found
+
+
+def _own_listings(block: Any, counts: list[Any], pool_blocks: list[Any]) -> Any:
+    """``counts[block_id]`` for a block that is ``pool_blocks[block_id]``, its ``block_id`` an
+    int exactly within both lists; else 0. A ``block_id`` read that raises AttributeError
+    reads as none."""
+    block_id = getattr(block, "block_id", None)
+    if (
+        type(block_id) is not int
+        or not 0 <= block_id < len(counts)
+        or block_id >= len(pool_blocks)
+        or pool_blocks[block_id] is not block
+    ):
+        return 0
+    return counts[block_id]
 
 
 def _gone(owner: object) -> bool:
