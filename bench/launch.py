@@ -22,6 +22,12 @@ from statistics import median
 from typing import Any, NamedTuple
 
 RESAMPLES = 5_000
+#: A worker's environment variable: a directory whose kvqueue it imports ahead of the installed
+#: one (another build, the baseline). A spawned process takes its parent's ``sys.path``, not
+#: ``PYTHONPATH``: read here, which the harnesses import before anything imports kvqueue.
+FIRST = "KVQUEUE_BENCH_FIRST"
+if os.environ.get(FIRST):
+    sys.path.insert(0, os.environ[FIRST])
 
 
 def parser(doc: str, quick: str) -> argparse.ArgumentParser:
@@ -36,14 +42,21 @@ def run(
     worker: Callable[[dict[str, Any]], dict[str, Any]], jobs: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """``worker(job)`` of each job in turn, each in a fresh interpreter of its own (spawned: it
-    draws its own memory layout and inherits nothing of this one); its error stops the run."""
+    draws its own memory layout and inherits nothing of this one, but ``job["env"]``, if any:
+    environment variables set for it alone); its error stops the run."""
     records = []
     started = time.monotonic()
     # On a terminal the progress line rewrites itself; in a log, one line per job.
     end = "\r" if sys.stderr.isatty() else "\n"
     for done, job in enumerate(jobs, 1):
-        with ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) as process:
-            records.append(process.submit(worker, job).result())
+        saved = os.environ.copy()
+        os.environ.update(job.get("env", {}))
+        try:
+            with ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) as process:
+                records.append(process.submit(worker, job).result())
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         elapsed = time.monotonic() - started
         eta = elapsed / done * (len(jobs) - done)
         line = f"[{done}/{len(jobs)}] {job['label']:<48} {elapsed:5.0f}s elapsed, ~{eta:4.0f}s left"

@@ -31,6 +31,7 @@ import dataclasses
 import math
 import os
 import random
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -252,6 +253,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     """One fresh process, one size: the recorded run, then ``reps`` rounds of every contender
     in a new random order."""
     cpu = launch.pin()
+    first = job.get("env", {}).get(launch.FIRST)
+    if first and not kvqueue.__file__.startswith(os.path.join(first, "")):
+        raise SystemExit(f"{job['label']}: kvqueue imported from {kvqueue.__file__}, not {first}")
     rng = random.Random(job["seed"])
     setup = make_setup(job["listed_target"], job["timed_steps"])
     recorded = record(setup)
@@ -262,7 +266,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         for name in contenders:
             runs[name].append(timed_run(name, setup, recorded))
     del recorded["pool"], recorded["fingerprint"]
-    return {**job, "cpu": cpu, "pid": os.getpid(), **recorded, "runs": runs}
+    return {**job, "cpu": cpu, "pid": os.getpid(), **recorded, "runs": runs,
+            "kvqueue": kvqueue.__file__}  # fmt: skip
 
 
 def per_process(record: dict[str, Any], name: str) -> dict[str, float]:
@@ -295,14 +300,17 @@ def per_process(record: dict[str, Any], name: str) -> dict[str, float]:
 def rows(records: list[dict[str, Any]]) -> list[str]:
     """The table's rows: per size, vLLM alone, then each twin against it."""
     out = []
-    for listed in dict.fromkeys(r["listed_target"] for r in records):
-        per = [r for r in records if r["listed_target"] == listed]
+    shown = None
+    for listed, build in sorted(dict.fromkeys((r["listed_target"], r["build"]) for r in records)):
+        per = [r for r in records if (r["listed_target"], r["build"]) == (listed, build)]
         first = per[0]
         ref = median(per_process(r, REFERENCE)["step_ms"] for r in per)
-        out.append(
-            f"| {listed:,} | {first['listed']:,} | {first['requests']:,} "
-            f"| {first['moved_per_step']:,.0f} | vllm | {ref:.2f} | 1 | | | | | |"
-        )
+        size = f"{listed:,} | {first['listed']:,} | {first['requests']:,} "
+        size += f"| {first['moved_per_step']:,.0f}"
+        if shown == listed:  # the size's figures once, on its first build's row
+            size = "| | |"
+        shown = listed
+        out.append(f"| {size} | {build} | vllm | {ref:.2f} | 1 | | | | | |")
         for name in CONTENDERS[1:]:
             f = [per_process(r, name) for r in per]
 
@@ -312,7 +320,7 @@ def rows(records: list[dict[str, Any]]) -> list[str]:
             ratio = bootstrap_median([x["ratio"] for x in f])
             per_block = mid("added_us") / first["moved_per_step"] * 1e3
             out.append(
-                f"| | | | | {name} | {mid('step_ms'):.2f} | {interval(ratio)} "
+                f"| | | | | | {name} | {mid('step_ms'):.2f} | {interval(ratio)} "
                 f"| {mid('added_us'):,.0f} | {per_block:,.0f} | {mid('max_added_ms'):.2f} "
                 f"| {mid('audit_us'):,.1f} ({mid('audit_median_us'):,.1f}) "
                 f"| {mid('audit_max_ms'):.2f} |"
@@ -336,16 +344,31 @@ def table(data: dict[str, Any]) -> str:
         "*max added*: the largest one step's; *audit*: `audit_holders`' own time, mean per "
         "step (median call), and its longest call.",
         "",
-        "| listed (target) | listed | requests | moved blocks/step | contender | ms/step "
-        "| vs vllm | added µs/step | added ns/moved block | max added ms | audit µs/step "
-        "| audit max ms |",
-        "|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|",
+        "| listed (target) | listed | requests | moved blocks/step | kvqueue | contender "
+        "| ms/step | vs vllm | added µs/step | added ns/moved block | max added ms "
+        "| audit µs/step | audit max ms |",
+        "|---:|---:|---:|---:|---|---|---:|---|---:|---:|---:|---:|---:|",
         *rows(data["records"]),
         "",
         f"Machine: {launch.short(data['machine'])}; load average at the end "
         f"{', '.join(f'{x:.1f}' for x in data['loadavg'])}.",
     ]
     return "\n".join(lines)
+
+
+def _this_build() -> str:
+    """This checkout's commit (with ``+`` if it has changes), or "this build" outside git."""
+    here = str(Path(__file__).resolve().parent)
+
+    def git(*args: str) -> str:
+        done = subprocess.run(("git", "-C", here, *args), capture_output=True, check=True)
+        return done.stdout.decode().strip()
+
+    try:
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "../src")
+    except (OSError, subprocess.CalledProcessError):
+        return "this build"
+    return commit + ("+" if dirty else "")
 
 
 def results_path(out: Path) -> Path:
@@ -359,6 +382,13 @@ def main() -> None:
     parser.add_argument("--processes", type=int, help="fresh processes per size (3; quick 2)")
     parser.add_argument("--reps", type=int, help="runs per contender per process (3; quick 2)")
     parser.add_argument("--sizes", type=int, nargs="+", choices=SIZES, help="listed blocks")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="also run, in processes alternating with this build's, the kvqueue importable "
+        "from DIR (pip install --target DIR <checkout>), named by DIR's name",
+    )
     # make bench-audit hands audit.py's arguments to this script too.
     parser.add_argument("--cpu-time", action="store_true", help="accepted: steps are CPU time")
     args = parser.parse_args()
@@ -367,10 +397,16 @@ def main() -> None:
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     timed = {size: TIMED_STEPS[size][args.quick] for size in sizes}
     rng = random.Random(0)
-    jobs = [{"label": f"{size:,} listed, round {i + 1}", "listed_target": size,
-             "timed_steps": timed[size], "seed": rng.randrange(2**32),
+    builds: list[tuple[str, dict[str, str]]] = [(_this_build(), {})]
+    if args.baseline:
+        first = str(args.baseline.resolve())
+        builds.append((args.baseline.name, {launch.FIRST: first}))
+    # Each round's processes of one size run one seed on every build, back to back.
+    jobs = [{"label": f"{size:,} listed, {build}, round {i + 1}", "listed_target": size,
+             "timed_steps": timed[size], "seed": seed, "build": build, "env": env,
              "reps": min(reps, MOST_REPS.get(size, reps))}
-            for i in range(processes) for size in sizes]  # fmt: skip
+            for i in range(processes) for size in sizes
+            for seed in [rng.randrange(2**32)] for build, env in builds]  # fmt: skip
     records = launch.run(worker, jobs)
     every = {r["runs"]["cython+guard"][0]["audit_every"] for r in records}
     reps_of = {job["listed_target"]: job["reps"] for job in jobs}

@@ -31,6 +31,7 @@ from typing import Any, SupportsIndex
 from . import _screen_py
 
 __all__ = (
+    "INDEXES",
     "Index",
     "Listed",
     "Table",
@@ -124,22 +125,27 @@ class Listed(list):  # type: ignore[type-arg]
         # A copy (copy, deepcopy, pickle) is in no table: a plain list.
         return (list, (list(self),))
 
+    # detach, append and extend run at every request's removal and every allocation: they
+    # call the screen themselves, one Python call fewer than Index.add's.
     def detach(self) -> None:
         """Out of its table: its blocks are listed no more, and it counts nothing again."""
-        if self.tally is not None:
-            self.tally.add(self, -1)
+        tally = self.tally
+        if tally is not None:
+            tally.screen.count(self, tally.blocks, tally.counts, -1)
             self.tally = None
 
     def append(self, block: Any) -> None:
         list.append(self, block)
-        if self.tally is not None:
-            self.tally.add_one(block)
+        tally = self.tally
+        if tally is not None:
+            tally.screen.count_one(block, tally.blocks, tally.counts, 1)
 
     def extend(self, blocks: Iterable[Any]) -> None:
         blocks = list(blocks)
         list.extend(self, blocks)
-        if self.tally is not None:
-            self.tally.add(blocks)
+        tally = self.tally
+        if tally is not None:
+            tally.screen.count(blocks, tally.blocks, tally.counts, 1)
 
     def __iadd__(self, blocks: Iterable[Any]) -> Listed:  # type: ignore[misc]
         self.extend(blocks)
@@ -195,6 +201,9 @@ class Listed(list):  # type: ignore[type-arg]
             self.tally.add(before if type(where) is slice else [before], -1)
 
 
+_ABSENT: Any = object()
+
+
 class Table(defaultdict):  # type: ignore[type-arg]
     """One manager's ``req_to_blocks``: a ``defaultdict`` whose lists (made as a request
     is first looked up, as vLLM's are) are :class:`Listed` of one index; a list taken out
@@ -237,10 +246,12 @@ class Table(defaultdict):  # type: ignore[type-arg]
         _detach(old)
 
     def pop(self, request: Any, *default: Any) -> Any:
-        if request not in self:
+        # One look-up where the request is listed: every finished request's removal.
+        old = dict.pop(self, request, _ABSENT)
+        if old is _ABSENT:
             return dict.pop(self, request, *default)
-        old = dict.pop(self, request)
-        _detach(old)
+        if type(old) is Listed:
+            old.detach()
         return old
 
     def popitem(self) -> tuple[Any, Any]:
@@ -307,8 +318,10 @@ def _detach(blocks: Any) -> None:
         blocks.detach()
 
 
-# Per pool, weakly: its index goes with it.
-_indexes: weakref.WeakKeyDictionary[Any, Index] = weakref.WeakKeyDictionary()
+# Per pool, by its id: a weak reference to it (its entry goes with it) and its index. Read
+# by identity at every guarded hand-out, where a weak dictionary's look-up (a new weak
+# reference per call) cost several times a dict's.
+INDEXES: dict[int, tuple[weakref.ref[Any], Index]] = {}
 
 # HiSparse's managers (vLLM 0.31+) keep pages they unpinned listed while those sit in the
 # free list, on purpose: theirs are not counted. By name, so that no vLLM module is imported
@@ -330,11 +343,24 @@ def unpins(manager_class: type) -> bool:
 
 
 def index_of(pool: Any) -> Index | None:
-    """``pool``'s index, if a manager of it was built with kvqueue installed."""
+    """``pool``'s index, if a manager of it was built with kvqueue installed; O(1)."""
+    entry = INDEXES.get(id(pool))
+    return entry[1] if entry is not None and entry[0]() is pool else None
+
+
+def _keep(pool: Any, index: Index) -> bool:
+    """Make ``index`` ``pool``'s; False for a pool no weak reference can name (it has none)."""
+    key = id(pool)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if INDEXES.get(key, (None,))[0] is ref:
+            del INDEXES[key]
+
     try:
-        return _indexes.get(pool)
-    except TypeError:  # a pool no weak reference can name has none
-        return None
+        INDEXES[key] = (weakref.ref(pool, forget), index)
+    except TypeError:
+        return False
+    return True
 
 
 def adopt(
@@ -358,9 +384,7 @@ def adopt(
     index = index_of(pool)
     if index is None or index.blocks is not blocks:
         index = Index(blocks, screen)
-        try:
-            _indexes[pool] = index
-        except TypeError:
+        if not _keep(pool, index):
             return
         if on_index is not None:
             on_index(pool, index)

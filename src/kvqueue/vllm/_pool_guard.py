@@ -445,7 +445,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
 def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     original = made.original
     first_held_free = made.screen.first_held_free
-    index_of = _index.index_of
+    indexes = _index.INDEXES
     first_listed = made.screen.first_listed
 
     def alloc(self: Any, num_blocks: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -471,7 +471,9 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
                     lambda call: _rules.alloc(self, num_blocks, made.policy, call),
                 )
             # The free list's exit: a block a live request lists is never handed out.
-            held = index_of(self)
+            # _index.index_of inlined: every hand-out looks its pool's index up.
+            entry = indexes.get(id(self))
+            held = entry[1] if entry is not None and entry[0]() is self else None
             if (
                 held is not None
                 and first_listed(head, num_blocks, held.counts, held.blocks) is not None

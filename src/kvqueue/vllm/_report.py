@@ -67,6 +67,8 @@ _freed_total = [0]
 # kvqueue's own: the guard, its rules, the audit, this module and the queue's pure twin calling
 # its gate, the frames between a checked call and the code that made it.
 _PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
+# From freed: the free guard's two frames (_pool_guard's adapter and free rule), then its caller.
+_FREE_DEPTH = 3
 
 
 def pool_repairs(pool: object) -> dict[str, int]:
@@ -177,8 +179,14 @@ def log_notes(notes: list[Note]) -> None:
 
 
 def freed(blocks: list[Any]) -> None:
-    """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`."""
-    frame = caller()
+    """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`. Called by the
+    free guard alone: the two frames above this one are the guard's. O(kvqueue's frames)."""
+    # The walk starts at the guard's caller: each frame object caller() would step through is
+    # made on the way (the interpreter makes them only when asked), a cost at every free.
+    try:
+        frame = _outside(sys._getframe(_FREE_DEPTH))
+    except ValueError:  # the guard's caller is no Python code
+        frame = None
     if frame is None:  # no Python code called it (a thread's target)
         _frees.append((blocks, None, 0))
     else:
@@ -232,7 +240,11 @@ def caller() -> Any:
     """The code that called the guarded method: the first frame outside kvqueue's guard
     (None: the stack holds no other). Walked, not counted: how many of kvqueue's frames lie
     between differs by method, rule and line."""
-    frame: Any = sys._getframe(1)
+    return _outside(sys._getframe(1))
+
+
+def _outside(frame: Any) -> Any:
+    """``frame``, or the first frame it was called from outside kvqueue's code."""
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back
     return frame
