@@ -84,10 +84,10 @@ def test_setup_py_reading_the_file_alone_gets_the_same_words(
     alone = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(alone)
     monkeypatch.setenv(_env.PURE, "\x01" * 20)  # wrapped in the package: escapes are wide
-    with pytest.raises(ValueError) as wrapped:
+    with pytest.raises(ValueError, match=r"^KVQUEUE_PURE must be one of") as wrapped:
         _env.flag(_env.PURE)
     assert "\n" in str(wrapped.value)
-    with pytest.raises(ValueError) as plain:
+    with pytest.raises(ValueError, match=r"^KVQUEUE_PURE must be one of") as plain:
         alone.flag(alone.PURE)
     assert type(plain.value) is ValueError
     assert str(plain.value) == one_line(wrapped.value)
