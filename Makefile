@@ -18,7 +18,7 @@
 #                         a row already: its suites three ways (vllm_tests/line_check.py)
 #   make demo             a double free in a live vLLM engine: vLLM alone, kvqueue raise, repair
 #                         (VLLM=0.31.0: on that vLLM line; examples/demo.py)
-#   make memcheck         the compiled twin under AddressSanitizer and valgrind (7-11 min)
+#   make memcheck         the compiled twin under AddressSanitizer and valgrind (7-17 min)
 #   make py314            the wheel and the suite on Debian unstable's CPython 3.14 (root)
 #   make clean
 #

@@ -6,7 +6,9 @@ the pure twin only and is tagged ``py3-none-any`` (not this interpreter's
 platform, which it does not need), and ``import kvqueue`` uses the pure twin.
 """
 
+import contextlib
 import importlib.util
+import os
 import platform
 import sys
 import textwrap
@@ -31,8 +33,10 @@ class build_ext_or_pure(build_ext):
 
     Dropped from the distribution's ``ext_modules`` (after the build loop, which
     iterates that list): bdist_wheel then sees a pure distribution, and an in-place
-    build copies nothing. Catches what a missing or broken compiler raises
-    (compile, link, exec and platform errors); anything else fails the build.
+    build copies nothing. Its module built by an earlier run is deleted: pip builds a
+    checkout in its ``build/``, from which the pure wheel would take that module, compiled
+    from older sources. Catches what a missing or broken compiler raises (compile, link,
+    exec and platform errors); anything else fails the build.
     """
 
     def build_extensions(self) -> None:
@@ -46,6 +50,8 @@ class build_ext_or_pure(build_ext):
             super().build_extension(ext)
         except (CCompilerError, BaseError) as exc:
             self._failed.append(ext)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.get_ext_fullpath(ext.name))
             # pip shows a build's output only with -v (or when it fails): the warning is for
             # that log, each line within 100 columns as pip indents it (by two); import kvqueue
             # warns again at run time.

@@ -11,8 +11,8 @@
 # Findings (.ci/memcheck_report.py): any invalid read/write/free, any leak
 # whose allocation stack passes through kvqueue. Logs stay in build/memcheck/.
 #
-# Usage: make memcheck [MEMCHECK_ARGS=--full]   (default: the short run CI does; 7 min on
-#        CPython 3.11, 11 on 3.12 with its venv built, on 2 shared cores)
+# Usage: make memcheck [MEMCHECK_ARGS=--full]   (default: the short run CI does; 16 min on
+#        CPython 3.13, 14-17 on 3.12, 7 on 3.11, on 2 cores busy with other work)
 #        VENV=DIR bash .ci/memcheck.sh [--full]   (default VENV: .venv-memcheck)
 set -euo pipefail
 cd "$(dirname "$0")/.."

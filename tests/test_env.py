@@ -3,6 +3,7 @@ value is refused with a message naming the variable and what it takes."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import sys
 import pytest
 
 from kvqueue import _env, _policy
+
+from support.helpers import one_line
 
 REFUSED_FLAGS = ["false", "no", "off", " 0", "0 ", "true", "yes", "on", "2", "01"]
 
@@ -68,3 +71,23 @@ def test_a_queue_refuses_an_unknown_policy_value(
     assert str(info.value) == (
         f"KVQUEUE_ON_MISUSE must be one of 'raise', 'repair' (or unset), not {value!r}"
     )
+
+
+def test_setup_py_reading_the_file_alone_gets_the_same_words(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """setup.py loads _env.py outside the package: a refusal there imports nothing of
+    kvqueue's, and says what the package's says, unwrapped."""
+    spec = importlib.util.spec_from_file_location("_kvqueue_env", _env.__file__)
+    assert spec is not None
+    assert spec.loader is not None
+    alone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alone)
+    monkeypatch.setenv(_env.PURE, "\x01" * 20)  # wrapped in the package: escapes are wide
+    with pytest.raises(ValueError, match=r"^KVQUEUE_PURE must be one of") as wrapped:
+        _env.flag(_env.PURE)
+    assert "\n" in str(wrapped.value)
+    with pytest.raises(ValueError, match=r"^KVQUEUE_PURE must be one of") as plain:
+        alone.flag(alone.PURE)
+    assert type(plain.value) is ValueError
+    assert str(plain.value) == one_line(wrapped.value)

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from support.helpers import one_line
+
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "VLLM_"))}
@@ -231,6 +233,41 @@ def test_a_plugin_that_patches_a_guarded_method_first_is_in_the_plan(tmp_path: A
     assert result["plugin"]["action"] == "refuse"
     assert "free_blocks is not vLLM's own" in result["plugin"]["reason"]
     assert report(**env, VLLM_PLUGINS="kvqueue")["plugin"]["action"] == "install"
+
+
+def test_a_wrapped_refusal_is_one_line_in_json_word_for_word(tmp_path: Any) -> None:
+    """The plugin's reason, wrapped for a traceback where kvqueue raises it, is one line in the
+    JSON (and among the problems), the words the text report wraps within 100 columns."""
+    env = {"KVQUEUE_VLLM": "1", "PYTHONPATH": _fake_vllm(tmp_path)}
+    reason = report(**env)["plugin"]["reason"]
+    assert len(reason) > 100  # wrapped where it was raised
+    assert "\n" not in reason
+    assert reason in report(**env)["problems"]
+    done = run(**env)
+    said = one_line(done.stdout)
+    assert f"the plugin stops vLLM from starting: {reason} " in said
+    assert f"problem: {reason}" in said
+    _narrow(done)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "shown"),
+    [
+        ("KVQUEUE_AUDIT_EVERY", "sixty-four-steps-between", repr("sixty-four-steps")),
+        ("KVQUEUE_PURE", "\x01" * 20, repr("\x01" * 9)),
+    ],
+)
+def test_a_wrapped_bad_value_is_one_line_in_json(name: str, value: str, shown: str) -> None:
+    """A bad value's ValueError is wrapped for a caller's traceback; the JSON says it in one
+    line, as the problem, the plugin's reason, and (KVQUEUE_PURE) why no twin is named."""
+    accepted = "'0', '1', '2', ..., '1024'" if name == "KVQUEUE_AUDIT_EVERY" else "'1', '0'"
+    problem = f"{name} must be one of {accepted} (or unset), not {shown}"
+    result = report(**{"KVQUEUE_VLLM": "1", name: value})
+    assert result["problems"] == [problem]
+    assert result["plugin"]["reason"] == problem
+    if name == "KVQUEUE_PURE":
+        assert result["why"] == f"it raises: {problem}"
+    _narrow(run(**{name: value}))
 
 
 def test_a_plugin_vllm_does_not_call_is_not_said_to_install(tmp_path: Any) -> None:

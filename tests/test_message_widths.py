@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvqueue import KVCacheBlock, _errors, _log, _policy, _render, _twin
-from kvqueue.vllm import _audit, _lines, _report
+from kvqueue import KVCacheBlock, _env, _errors, _log, _policy, _render, _twin
+from kvqueue.vllm import _audit, _lines, _plugin, _report
 
 from support.helpers import one_line
 
@@ -155,18 +155,51 @@ def test_a_missing_compiled_twin_is_said_in_lines_that_fit(
     assert not _too_wide(shown), shown
 
 
-def test_a_bad_setting_is_said_in_lines_that_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvqueue import _env
+# Each variable read as kvqueue's code reads it: what a caller's traceback shows.
+READERS: dict[str, Callable[[], object]] = {
+    _env.VLLM: lambda: _env.choice(_env.VLLM, _plugin._CHOICES, None),
+    _env.MISUSE_POLICY: lambda: _policy.resolve(None),
+    _env.POOL_GUARD: lambda: _env.flag(_env.POOL_GUARD, default=True),
+    _env.AUDIT_EVERY: _env.audit_every,
+    _env.WRAP_FOREIGN: lambda: _env.flag(_env.WRAP_FOREIGN),
+    _env.PURE: lambda: _env.flag(_env.PURE),
+}
+# A value as long as a refusal shows it, in words and in escapes (four columns a character).
+BAD_VALUES = ["sixty-four-steps-between-full-reads", "\x01" * 20]
 
-    problems = []
-    for name, value in [(_env.AUDIT_EVERY, "16384"), (_env.MISUSE_POLICY, "Repair")]:
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+@pytest.mark.parametrize("name", _env.USER)
+def test_a_bad_setting_fits_as_a_callers_traceback_prints_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{name} must be one of ") as raised:
+        READERS[name]()
+    shown = "".join(traceback.format_exception_only(type(raised.value), raised.value))
+    assert not _too_wide(shown), shown
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_the_plugins_refusal_fits_as_a_traceback_and_as_vllms_last_words(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """Every variable bad at once: the plugin's SettingError names each, in lines that fit
+    after its type (a caller that catches it as a ValueError) and after ``kvqueue: `` (its
+    ``code``, which ends vLLM's process)."""
+    for name in _env.USER:
         monkeypatch.setenv(name, value)
-        with pytest.raises(ValueError, match=f"^{name} must be one of ") as raised:
-            _env.choice(name, _env.EVERY if name == _env.AUDIT_EVERY else _env.FLAG, None)
-        problems.append(str(raised.value))
-    code = _errors.SettingError("; ".join(problems)).code
-    assert isinstance(code, str)
-    assert not _too_wide(code), code
+    decided = _plugin.plan()
+    assert decided.action == "refuse"
+    assert len(decided.problems) == len(_env.USER)
+    exc = decided.error
+    assert isinstance(exc, _errors.SettingError)
+    shown = "".join(traceback.format_exception_only(type(exc), exc))
+    assert not _too_wide(shown), shown
+    assert isinstance(exc.code, str)
+    assert not _too_wide(exc.code), exc.code
+    assert one_line(exc) == "; ".join(decided.problems)
+    assert one_line(exc.code) == f"kvqueue: {one_line(exc)}"
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvqueue import _env
+from kvqueue import _env, _render
 from kvqueue.vllm import _metrics, _report
 from kvqueue.vllm._lines import LINES
 
@@ -166,6 +166,19 @@ def test_not_active_says_why(scraped: Any) -> None:
     assert 'reason="vLLM 9.9.9 is not accepted"' in text
     assert 'state="not active"' in text
     assert "_total{" not in text
+
+
+def test_a_wrapped_refusal_is_its_label_word_for_word() -> None:
+    """Wrapped for a traceback, a reason is its own text again in the label: its line breaks
+    and their indents undone, a value's own spaces kept."""
+    said = (
+        "vLLM 9.9.9 is not what kvqueue knows of vLLM 9.9: BlockPool.free_blocks has a "
+        "parameter kvqueue does not know ('ordered  blocks', two spaces in its name), "
+        "and kvqueue changes nothing of a BlockPool it does not know"
+    )
+    wrapped = _render.wrap(said, len("kvqueue.vllm.VLLMLayoutError: "))
+    assert wrapped.count("\n") == 2
+    assert _not_active(wrapped).labels()["reason"] == said
 
 
 def test_a_switch_of_state_leaves_one_info_at_1(scraped: Any) -> None:

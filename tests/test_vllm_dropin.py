@@ -21,7 +21,7 @@ from kvqueue.vllm import _audit, _lines, _plugin
 from kvqueue.vllm._lines import LINES, Line, find
 
 from support.blocks import layout
-from support.helpers import raises_said
+from support.helpers import one_line, raises_said
 from support.vllm_stubs import MANAGER, POOL, UTILS, VllmQueue, as_vllms, manager_module
 
 # The versions these tests name, all from the lines' table: the newest line, a release one
@@ -768,7 +768,7 @@ def test_the_plan_is_what_the_plugin_does(
     if plan.action == "refuse":
         with pytest.raises((ValueError, kv_vllm.VLLMLayoutError)) as refused:
             _plugin.plugin()
-        assert str(refused.value) == plan.reason
+        assert one_line(refused.value) == plan.reason
         assert kv_vllm.status()["implementation"] is None
         return
     _plugin.plugin()
@@ -956,4 +956,4 @@ def test_a_bad_value_is_a_value_error_to_code_that_catches_one(
     with pytest.raises(ValueError, match=r"^KVQUEUE_ON_MISUSE must be one of") as caught:
         _plugin.plugin()
     assert isinstance(caught.value, SystemExit)
-    assert caught.value.code == f"kvqueue: {caught.value}"
+    assert one_line(caught.value.code) == f"kvqueue: {one_line(caught.value)}"

@@ -24,12 +24,13 @@ from typing import Any
 
 import kvqueue
 
-from . import _env, _twin
+from . import _env, _render, _twin
 from .vllm import _foreign, _lines, _metrics, _plugin, _registry
 
 
 def report() -> tuple[dict[str, Any], list[str]]:
-    """What ``python -m kvqueue`` says, and the problems that make it exit 1."""
+    """What ``python -m kvqueue`` says, and the problems that make it exit 1; each message
+    (a reason, a problem) as one line, however its exception was wrapped for a traceback."""
     problems: list[str] = []
     vllm = _vllm()
     decided = _plugin.plan()
@@ -52,7 +53,7 @@ def report() -> tuple[dict[str, Any], list[str]]:
         "location": os.path.dirname(kvqueue.__file__),
         "python": sys.version.split()[0],
         "implementation": implementation,
-        "why": why,
+        "why": _render.one_line(why),
         "environment": {name: os.environ.get(name) for name in _env.USER},
         "accepted_vllm_lines": [line.release for line in _lines.LINES],
         "checks": checks(),
@@ -81,7 +82,7 @@ def report() -> tuple[dict[str, Any], list[str]]:
         )
     if decided.action == "install" and after and settings and settings["pool_guard"]:
         problems += _bypassing(after)
-    return facts, problems
+    return facts, [_render.one_line(problem) for problem in problems]
 
 
 def checks() -> dict[str, list[str]]:
@@ -177,11 +178,10 @@ _SAYS = {
 
 
 def _say(text: str, first: str = "", more: str = "  ") -> None:
-    """One paragraph in lines of at most 100 columns (a reason that is wrapped already, as an
-    exception's message is, made one paragraph first)."""
+    """One paragraph (one line of :func:`report`'s) in lines of at most 100 columns."""
     print(
         textwrap.fill(
-            " ".join(text.split()),
+            text,
             _WIDTH,
             initial_indent=first,
             subsequent_indent=more,

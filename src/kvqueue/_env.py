@@ -3,7 +3,7 @@
 A value outside its variable's set is refused with a ValueError that names the
 variable and what it takes: a typo (``KVQUEUE_PURE=false``, ``" 0"``) must not
 quietly select the opposite of what was meant. Unset and empty mean the default.
-Imports nothing of kvqueue: ``setup.py`` loads this file on its own.
+Imports nothing of kvqueue but to word a refusal: ``setup.py`` loads this file on its own.
 """
 
 from __future__ import annotations
@@ -76,11 +76,30 @@ def choice(name: str, values: Mapping[str, T], default: T) -> T:
     try:
         return values[raw]
     except KeyError:
-        # At most 100 columns with the plugin's "kvqueue: " before it: a long set by its ends,
-        # a long value cut.
+        # Short wherever it is shown (a traceback, vLLM's stderr, python -m kvqueue): a long
+        # set by its ends, a long value cut.
         keys = [repr(key) for key in values]
         accepted = ", ".join(keys if len(keys) <= 5 else [*keys[:3], "...", keys[-1]])
-        raise ValueError(f"{name} must be one of {accepted} (or unset), not {raw[:16]!r}") from None
+        raise _refused(f"{name} must be one of {accepted} (or unset), not {_cut(raw)}") from None
+
+
+def _cut(raw: str) -> str:
+    """The repr of ``raw``'s first characters: at most 16, and 40 columns (an escape such as
+    ``\\x01`` takes four). O(1)."""
+    shown = raw[:16]
+    while len(repr(shown)) > 40:
+        shown = shown[:-1]
+    return repr(shown)
+
+
+def _refused(problem: str) -> ValueError:
+    """The ValueError that says ``problem``: kvqueue's, in lines that fit as a traceback prints
+    them (``_errors.bad_value``); plain where ``setup.py`` loads this file outside kvqueue."""
+    if not __package__:
+        return ValueError(problem)
+    from . import _errors
+
+    return _errors.bad_value(problem)
 
 
 def flag(name: str, default: bool = False) -> bool:

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from ._block import is_subtype, layout_change
 from ._policy import QueueMisuse
-from ._render import describe, number, plural, times, type_name, vllm_repr, wrap
+from ._render import describe, number, one_line, plural, times, type_name, vllm_repr, wrap
 
 _E = TypeVar("_E", bound=BaseException)
 
@@ -37,14 +37,25 @@ class VLLMLayoutError(RuntimeError):
 
 
 class SettingError(SystemExit, ValueError):
-    """A value a kvqueue variable does not take, met by vLLM's plugin. Code that catches a
-    ValueError catches it; uncaught (vLLM's plugin loader lets it through), it ends the
-    process as a SystemExit does: its one line, ``kvqueue: <the problem>``, on stderr, exit
-    status 1, and no traceback through vLLM's code."""
+    """A value a kvqueue variable does not take, met by vLLM's plugin (made by
+    :func:`bad_settings`). Code that catches a ValueError catches it, its message in lines
+    that fit as a traceback prints them; uncaught (vLLM's plugin loader lets it through), it
+    ends the process as a SystemExit does: ``kvqueue: <the problem>`` (``code``, in lines
+    that fit) on stderr, exit status 1, and no traceback through vLLM's code."""
 
     def __init__(self, problem: str) -> None:
         super().__init__(problem)
-        self.code = wrap(f"kvqueue: {problem}")
+        self.code = wrap(f"kvqueue: {one_line(problem)}")
+
+
+def bad_settings(problem: str) -> SettingError:
+    """The plugin's refusal of the variables' values that ``problem`` names. O(len(problem))."""
+    return _said(SettingError, problem)
+
+
+def bad_value(problem: str) -> ValueError:
+    """A variable's value refused (``_env.choice``), as a caller's traceback prints it."""
+    return _said(ValueError, problem)
 
 
 # The pool guard's and the holder audit's messages. ``call``, ``block`` and ``where`` come

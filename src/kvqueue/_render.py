@@ -34,6 +34,8 @@ WIDTH = 100
 # A line break that starts a paragraph, and one that a wrapped paragraph goes on after.
 _PARAGRAPH = re.compile(r"\n(?!  )")
 _GOES_ON = re.compile(r"\n  +")
+# A line break and the indent after it, as wrap() makes them.
+_BREAK = re.compile(r"\n *")
 
 
 def number(n: int) -> str:
@@ -164,6 +166,13 @@ def wrap(text: str, lead: int = 0) -> str:
         lines += [wrapped[0][len(indent) :], *wrapped[1:]] if wrapped else [""]
         lead = 0
     return "\n".join(lines)
+
+
+def one_line(text: object) -> str:
+    """``text`` (a message, an exception) as one line, word for word, for what a program reads
+    (JSON, a metric's label): each line break of :func:`wrap`'s, a paragraph's or a wrapped
+    line's, and the indent after it read as the one space it replaced. O(len(text))."""
+    return _BREAK.sub(" ", str(text))
 
 
 def type_name(cls: type) -> str:

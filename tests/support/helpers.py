@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvqueue import KVCacheBlock
+from kvqueue._render import one_line as one_line
 
 Snapshot = tuple[int, tuple[tuple[int, int, int], ...]]
 
@@ -57,14 +58,6 @@ def check_queue(queue: Any, expected: Sequence[Any], all_blocks: Iterable[Any]) 
         if id(block) not in members:
             assert block.prev_free_block is None, block
             assert block.next_free_block is None, block
-
-
-def one_line(message: object) -> str:
-    """``message`` (an exception, a log line) as one line: kvqueue wraps its messages to 100
-    columns at spaces that move with their values (a pool's address, a caller's path), and
-    puts the pool and the caller on a line of their own; each break and the indent after it
-    read as the one space it replaced."""
-    return re.sub(r"\n *", " ", str(message))
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .. import _env, _log, _policy
+from .. import _env, _log, _policy, _render
 from . import _registry, _report
 
 __all__ = (
@@ -177,7 +177,7 @@ class Facts:
             return {
                 "state": "not active",
                 # A wrapped refusal, as one line: a label value is read on one.
-                "reason": " ".join(self.reason.split())[:300],
+                "reason": _render.one_line(self.reason)[:300],
                 "vllm_version": self.vllm_version,
             }
         return {

@@ -11,7 +11,7 @@ import os
 from importlib import metadata
 from typing import Any, Literal
 
-from .. import _env, _errors, _log, _policy
+from .. import _env, _errors, _log, _policy, _render
 from . import _metrics
 
 __all__ = ("Plan", "plan", "plugin")
@@ -36,14 +36,16 @@ class Plan:
     ``action``: ``"off"`` (``KVQUEUE_VLLM`` unset or 0: nothing, vLLM not even imported),
     ``"install"`` (``install(**settings)``), ``"stay_off"`` (``KVQUEUE_VLLM=auto`` on a vLLM
     kvqueue does not accept: one WARNING in vLLM's log, vLLM untouched) or ``"refuse"``
-    (the plugin raises ``error``, and vLLM does not start). ``reason`` says why.
+    (the plugin raises ``error``, and vLLM does not start). ``reason`` says why, in one line
+    (``error``'s message, wrapped for a traceback, as one).
     """
 
     action: Action
     reason: str
     settings: dict[str, Any] | None = None
     error: Exception | None = None
-    #: Every variable's bad value, whatever the action (an off plugin reads none of them).
+    #: Every variable's bad value, each said in one line, whatever the action (an off plugin
+    #: reads none of them).
     problems: tuple[str, ...] = ()
 
 
@@ -63,7 +65,7 @@ def plan() -> Plan:
         return Plan("off", f"{_env.VLLM} unset or 0", problems=problems)
     if problems:
         why = "; ".join(problems)
-        return Plan("refuse", why, error=_errors.SettingError(why), problems=problems)
+        return Plan("refuse", why, error=_errors.bad_settings(why), problems=problems)
     from .. import vllm
 
     implementation, strict = asked
@@ -79,11 +81,11 @@ def plan() -> Plan:
     try:
         vllm.check(implementation, wrap_foreign=wrap)
     except (ImportError, _errors.VLLMLayoutError) as exc:
-        return Plan("refuse" if strict else "stay_off", str(exc), shown, exc)
+        return Plan("refuse" if strict else "stay_off", _render.one_line(exc), shown, exc)
     except (Exception, SystemExit) as exc:
         # vLLM's own import failed (a CUDA library missing, a sys.exit): in the plugin vLLM
         # is imported already, so only python -m kvqueue gets here.
-        why = f"importing vLLM failed: {type(exc).__name__}: {exc}"
+        why = f"importing vLLM failed: {type(exc).__name__}: {_render.one_line(exc)}"
         return Plan("refuse" if strict else "stay_off", why, shown, ImportError(why))
     return Plan("install", f"{_env.VLLM}={os.environ[_env.VLLM]}", shown)
 
@@ -92,7 +94,7 @@ def _read(read: Any, problems: list[str]) -> Any:
     try:
         return read()
     except ValueError as exc:
-        problems.append(str(exc))
+        problems.append(_render.one_line(exc))
         return None
 
 
@@ -109,7 +111,7 @@ def plugin() -> None:
     call with the same settings changes nothing.
 
     Raises :class:`~kvqueue._errors.SettingError` (a ValueError that, uncaught, ends vLLM's
-    process with its one line) for a value none of these variables takes, and, strict,
+    process with its message) for a value none of these variables takes, and, strict,
     whatever :func:`kvqueue.vllm.install` raises.
     """
     decided = plan()
