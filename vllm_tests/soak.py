@@ -1,0 +1,285 @@
+"""Long seeded workloads on vLLM's own ``Scheduler``, no fault injected: three ways alike.
+
+Run by ``test_soak.py`` in its own process, from the root of the installed line's own test
+files (``sdist.tests_root``), whose ``tests/v1/core/utils.py`` builds the scheduler
+(``create_scheduler``) and lends its request makers, with ``KVQUEUE_AUDIT_EVERY=1`` (every
+step's holder audit reads every listing and checks the holder index against it).
+``python soak.py WORKLOAD SEEDS STEPS`` prints one JSON object: per workload, seed and way
+(``vllm``: vLLM alone, then ``cython`` and ``python`` under ``on_misuse="raise"``), the digest
+of each step's ``SchedulerOutput``, the exception that stopped the run (if any), the pool's
+free count once every request is done, and kvqueue's counts (repairs of the pool, findings of
+the audit, every refusal, repair, finding or index rebuild of the process, audited steps).
+
+The scheduler is driven as vLLM's engine core drives it, synchronously: ``schedule()``, then
+``update_from_output()`` with the model runner's output built here (a sampled token for each
+request whose prompt is computed, speculative drafts accepted in part), then the drafter's
+tokens (``update_draft_token_ids``). One seeded stream per workload and seed makes the
+arrivals, the aborts (``finish_requests(..., FINISHED_ABORTED)``), the sampled tokens (EOS
+stops some requests; ``max_tokens`` the others) and the drafts; the three ways consume it
+alike as long as they schedule alike. After the last arrival the requests run to their end.
+
+Workloads (each also has aborts and stops by EOS and by length):
+
+* ``prefix``: prefix caching; prompts share a few prefixes; parallel sampling (2-4
+  requests of one prompt); blocks to spare.
+* ``preempt``: as ``prefix`` with few blocks and a small token budget: chunked prefills and
+  preemptions (recompute), prefix hits on blocks evicted and reused.
+* ``spec``: as ``preempt`` with 3 speculative tokens a step (ngram), part rejected.
+* ``connector``: vLLM's test KV connector (``MockKVConnector``: 32 tokens of each prompt
+  found outside, loaded synchronously), parallel sampling, preemptions; no prefix caching
+  (the mock finds its 32 tokens past any local hit, more than some prompts have left).
+* ``sliding``: a sliding-window attention cache (64 tokens) with prefix caching and
+  preemptions: blocks out of the window freed while the request runs (lines whose
+  ``create_scheduler`` takes ``kv_cache_spec``: 0.34).
+
+Not covered: async scheduling (the engine schedules step N+1 before step N's output, with
+placeholders for its tokens; its bookkeeping here would be a model runner of its own),
+asynchronous connector loads and delayed frees (the connector's output must then say which
+transfers ended), and hybrid caches of several groups (``create_scheduler`` builds one
+group; vLLM's hybrid tests build their managers without a scheduler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import random
+import sys
+import traceback
+import warnings
+from typing import Any
+
+warnings.simplefilter("ignore")
+
+import no_triton  # noqa: E402
+from tests.v1.core import utils  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import kvqueue.vllm  # noqa: E402
+from kvqueue.vllm import _report  # noqa: E402
+
+BLOCK = 16
+ABORTED = RequestStatus.FINISHED_ABORTED
+EOS = utils.EOS_TOKEN_ID
+# Steps that drain the requests left after the last arrival may take at most (a bound that
+# a scheduler making progress never meets).
+DRAIN = 2000
+TAKES = inspect.signature(utils.create_scheduler).parameters
+OUTPUT_FIELDS = {field.name for field in dataclasses.fields(ModelRunnerOutput)}
+
+
+def connector() -> dict[str, Any]:
+    from tests.v1.kv_connector.unit.utils import MockKVConfig
+
+    return {"use_kv_connector": MockKVConfig(matched_tokens=2 * BLOCK, is_async=False)}
+
+
+def sliding() -> dict[str, Any]:
+    spec = utils.new_sliding_window_spec(num_kv_heads=1, head_size=1, sliding_window=4 * BLOCK)
+    return {"kv_cache_spec": spec}
+
+
+# name: (create_scheduler's arguments, or what makes them; the stream's shape)
+WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "prefix": (
+        {"enable_prefix_caching": True, "num_blocks": 400, "max_num_batched_tokens": 512},
+        {"spec": 0, "min_prompt": 1},
+    ),
+    "preempt": (
+        {"enable_prefix_caching": True, "num_blocks": 48, "max_num_batched_tokens": 128},
+        {"spec": 0, "min_prompt": 1},
+    ),
+    "spec": (
+        {"enable_prefix_caching": True, "num_blocks": 56, "max_num_batched_tokens": 128,
+         "num_speculative_tokens": 3},
+        {"spec": 3, "min_prompt": 1},
+    ),  # fmt: skip
+    "connector": (
+        lambda: {"enable_prefix_caching": False, "num_blocks": 64,
+                 "max_num_batched_tokens": 256, **connector()},
+        {"spec": 0, "min_prompt": 3 * BLOCK},
+    ),  # fmt: skip
+    "sliding": (
+        lambda: {"enable_prefix_caching": True, "num_blocks": 40,
+                 "max_num_batched_tokens": 128, **sliding()},
+        {"spec": 0, "min_prompt": 1},
+    ),  # fmt: skip
+}
+
+
+def unsupported(workload: str) -> str | None:
+    """Why this line's ``create_scheduler`` cannot build ``workload`` (None: it can)."""
+    needs = {"sliding": "kv_cache_spec", "spec": "num_speculative_tokens",
+             "connector": "use_kv_connector"}  # fmt: skip
+    wanted = needs.get(workload)
+    if wanted is not None and wanted not in TAKES:
+        return f"this line's create_scheduler takes no {wanted}"
+    return None
+
+
+class Stream:
+    """The seeded requests, aborts, tokens and drafts of one run."""
+
+    def __init__(self, seed: int, shape: dict[str, Any]) -> None:
+        self.rng = random.Random(seed)
+        self.shape = shape
+        self.prefixes = [
+            [self.rng.randrange(1, 30000) for _ in range(self.rng.randrange(8, 6 * BLOCK))]
+            for _ in range(4)
+        ]
+        self.made = 0
+        utils.create_requests(1)  # vLLM's test helper sets the hash of no parent, once
+        self.hasher = utils.get_request_block_hasher(BLOCK, utils.sha256)
+
+    def request(self, name: str, prompt: list[int], max_tokens: int) -> Any:
+        params = utils.SamplingParams(max_tokens=max_tokens)
+        params.update_from_generation_config({}, EOS)
+        return utils.Request(request_id=name, prompt_token_ids=prompt, sampling_params=params,
+                             pooling_params=None, mm_features=None,
+                             block_hasher=self.hasher)  # fmt: skip
+
+    def arrivals(self) -> list[Any]:
+        """0-3 groups of requests; a group shares its prompt (parallel sampling)."""
+        rng = self.rng
+        made = []
+        for _ in range(rng.choice((0, 0, 0, 1, 1, 2))):
+            prefix = rng.choice(self.prefixes) if rng.random() < 0.7 else []
+            suffix = [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 3 * BLOCK))]
+            prompt = (prefix + suffix)[: 12 * BLOCK]
+            while len(prompt) < self.shape["min_prompt"]:
+                prompt.append(rng.randrange(1, 30000))
+            group = rng.choice((1, 1, 1, 2, 3, 4))
+            for _ in range(group):
+                made.append(self.request(f"r{self.made}", prompt, rng.randrange(1, 6 * BLOCK)))
+                self.made += 1
+        return made
+
+    def aborts(self, live: list[str]) -> list[str]:
+        return [self.rng.choice(live)] if live and self.rng.random() < 0.08 else []
+
+    def sampled(self, drafts: list[int]) -> list[int]:
+        """The tokens of one decoding step: a run of the drafts accepted, then one sampled."""
+        rng = self.rng
+        accepted = drafts[: rng.randrange(len(drafts) + 1)]
+        return accepted + [EOS if rng.random() < 0.03 else rng.randrange(1, 30000)]
+
+    def drafts(self) -> list[int]:
+        return [self.rng.randrange(1, 30000) for _ in range(self.shape["spec"])]
+
+
+def digest(output: Any) -> str:
+    """A short hash of what a step scheduled: the tokens per request, the blocks given to
+    new and to running or resumed requests, the drafts, the preempted and finished ids."""
+    cached = output.scheduled_cached_reqs
+    seen = {
+        "tokens": sorted(output.num_scheduled_tokens.items()),
+        "new": [(r.req_id, r.num_computed_tokens, [list(g) for g in r.block_ids])
+                for r in output.scheduled_new_reqs],  # fmt: skip
+        "cached": [(name, computed, None if ids is None else [list(g) for g in ids])
+                   for name, computed, ids in zip(cached.req_ids, cached.num_computed_tokens,
+                                                  cached.new_block_ids)],  # fmt: skip
+        "drafts": sorted((k, list(v)) for k, v in output.scheduled_spec_decode_tokens.items()),
+        "preempted": sorted(getattr(output, "preempted_req_ids", None) or ()),
+        "finished": sorted(output.finished_req_ids),
+    }
+    text = json.dumps(seen, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_output(scheduler: Any, output: Any, stream: Stream) -> Any:
+    """What the model runner returns for ``output``: tokens for each request whose prompt
+    (and what it had generated) is computed once this step's tokens are."""
+    names = list(output.num_scheduled_tokens)
+    tokens = []
+    for name in names:
+        request = scheduler.requests[name]
+        drafts = list(output.scheduled_spec_decode_tokens.get(name, ()))
+        done = request.num_computed_tokens - len(drafts) >= request.num_tokens
+        tokens.append(stream.sampled(drafts) if done else [])
+    fields = {"req_ids": names, "sampled_token_ids": tokens, "logprobs": None,
+              "prompt_logprobs_dict": {}, "pooler_output": []}  # fmt: skip
+    if "req_id_to_index" in OUTPUT_FIELDS:
+        fields["req_id_to_index"] = {name: i for i, name in enumerate(names)}
+    return ModelRunnerOutput(**fields)
+
+
+def step(scheduler: Any, stream: Stream, steps: list[str], preempted: set[str]) -> None:
+    output = scheduler.schedule()
+    steps.append(digest(output))
+    preempted.update(getattr(output, "preempted_req_ids", None) or ())
+    scheduler.update_from_output(output, model_output(scheduler, output, stream))
+    if stream.shape["spec"]:
+        names = [name for name in output.num_scheduled_tokens if name in scheduler.requests]
+        scheduler.update_draft_token_ids(DraftTokenIds(names, [stream.drafts() for _ in names]))
+
+
+def run(workload: str, seed: int, steps_wanted: int) -> dict[str, Any]:
+    arguments, shape = WORKLOADS[workload]
+    scheduler = utils.create_scheduler(**(arguments() if callable(arguments) else arguments))
+    pool = scheduler.kv_cache_manager.block_pool
+    stream = Stream(seed, shape)
+    events_before = _report.events()
+    findings_before = kvqueue.vllm.audit_findings()
+    audited_before = kvqueue.vllm.audited_steps()
+    steps: list[str] = []
+    preempted: set[str] = set()
+    result: dict[str, Any] = {}
+    try:
+        for _ in range(steps_wanted):
+            for request in stream.arrivals():
+                scheduler.add_request(request)
+            if aborted := stream.aborts(sorted(scheduler.requests)):
+                scheduler.finish_requests(aborted, ABORTED)
+            step(scheduler, stream, steps, preempted)
+        for _ in range(DRAIN):
+            if not scheduler.has_unfinished_requests():
+                break
+            step(scheduler, stream, steps, preempted)
+        result["unfinished"] = len(scheduler.requests)
+        step(scheduler, stream, steps, preempted)  # the last frees' finished ids are handed out
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        result["raised"] = f"{type(exc).__name__}: {exc} ({where.filename}:{where.lineno})"
+    result["steps"] = steps
+    result["requests"] = stream.made
+    result["free"] = pool.get_num_free_blocks()
+    result["blocks"] = pool.num_gpu_blocks
+    result["preempted"] = len(preempted)
+    result["repairs"] = {k: v for k, v in kvqueue.vllm.pool_repairs(pool).items() if v}
+    result["findings"] = {
+        k: n - findings_before[k] for k, n in kvqueue.vllm.audit_findings().items()
+        if n > findings_before[k]
+    }  # fmt: skip
+    result["events"] = {
+        "/".join(k): n - events_before.get(k, 0) for k, n in _report.events().items()
+        if n > events_before.get(k, 0)
+    }  # fmt: skip
+    result["audited"] = kvqueue.vllm.audited_steps() - audited_before
+    return result
+
+
+def main() -> None:
+    no_triton.allow()  # vLLM 0.34+ on an x86 CPU without triton-cpu: its config check only
+    workloads, seeds, steps = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+    results: dict[str, Any] = {}
+    for workload in workloads:
+        why = unsupported(workload)
+        if why is not None:
+            results[workload] = {"unsupported": why}
+            continue
+        for seed in range(seeds):
+            for way in ("vllm", "cython", "python"):
+                if way == "vllm":
+                    kvqueue.vllm.uninstall()
+                else:
+                    kvqueue.vllm.install(way, on_misuse="raise")
+                results[f"{workload}/{seed}/{way}"] = run(workload, seed, steps)
+    kvqueue.vllm.uninstall()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
