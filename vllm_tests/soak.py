@@ -25,6 +25,8 @@ Workloads (each also has aborts and stops by EOS and by length):
 * ``preempt``: as ``prefix`` with few blocks and a small token budget: chunked prefills and
   preemptions (recompute), prefix hits on blocks evicted and reused.
 * ``spec``: as ``preempt`` with 3 speculative tokens a step (ngram), part rejected.
+* ``async``: as ``preempt`` under async scheduling (``AsyncScheduler``): each step
+  scheduled before the previous step's output is in, as the engine's batch queue does.
 * ``connector``: vLLM's test KV connector (``MockKVConnector``: 32 tokens of each prompt
   found outside, loaded synchronously), parallel sampling, preemptions; no prefix caching
   (the mock finds its 32 tokens past any local hit, more than some prompts have left).
@@ -32,9 +34,9 @@ Workloads (each also has aborts and stops by EOS and by length):
   preemptions: blocks out of the window freed while the request runs (lines whose
   ``create_scheduler`` takes ``kv_cache_spec``: 0.34).
 
-Not covered: async scheduling (the engine schedules step N+1 before step N's output, with
-placeholders for its tokens; its bookkeeping here would be a model runner of its own),
-asynchronous connector loads and delayed frees (the connector's output must then say which
+Not covered: speculative decoding under async scheduling (its drafts come back as
+placeholders the model runner fills, ``update_draft_token_ids_in_output``), asynchronous
+connector loads and delayed frees (the connector's output must then say which
 transfers ended), and hybrid caches of several groups (``create_scheduler`` builds one
 group; vLLM's hybrid tests build their managers without a scheduler).
 """
@@ -102,6 +104,11 @@ WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
                  "max_num_batched_tokens": 256, **connector()},
         {"spec": 0, "min_prompt": 3 * BLOCK},
     ),  # fmt: skip
+    "async": (
+        {"enable_prefix_caching": True, "num_blocks": 48, "max_num_batched_tokens": 128,
+         "async_scheduling": True},
+        {"spec": 0, "min_prompt": 1, "async": True},
+    ),  # fmt: skip
     "sliding": (
         lambda: {"enable_prefix_caching": True, "num_blocks": 40,
                  "max_num_batched_tokens": 128, **sliding()},
@@ -113,7 +120,7 @@ WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
 def unsupported(workload: str) -> str | None:
     """Why this line's ``create_scheduler`` cannot build ``workload`` (None: it can)."""
     needs = {"sliding": "kv_cache_spec", "spec": "num_speculative_tokens",
-             "connector": "use_kv_connector"}  # fmt: skip
+             "connector": "use_kv_connector", "async": "async_scheduling"}  # fmt: skip
     wanted = needs.get(workload)
     if wanted is not None and wanted not in TAKES:
         return f"this line's create_scheduler takes no {wanted}"
@@ -189,16 +196,8 @@ def digest(output: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def model_output(scheduler: Any, output: Any, stream: Stream) -> Any:
-    """What the model runner returns for ``output``: tokens for each request whose prompt
-    (and what it had generated) is computed once this step's tokens are."""
-    names = list(output.num_scheduled_tokens)
-    tokens = []
-    for name in names:
-        request = scheduler.requests[name]
-        drafts = list(output.scheduled_spec_decode_tokens.get(name, ()))
-        done = request.num_computed_tokens - len(drafts) >= request.num_tokens
-        tokens.append(stream.sampled(drafts) if done else [])
+def model_output(names: list[str], tokens: list[list[int]]) -> Any:
+    """The model runner's output: ``tokens[i]`` sampled for request ``names[i]``."""
     fields = {"req_ids": names, "sampled_token_ids": tokens, "logprobs": None,
               "prompt_logprobs_dict": {}, "pooler_output": []}  # fmt: skip
     if "req_id_to_index" in OUTPUT_FIELDS:
@@ -206,14 +205,66 @@ def model_output(scheduler: Any, output: Any, stream: Stream) -> Any:
     return ModelRunnerOutput(**fields)
 
 
-def step(scheduler: Any, stream: Stream, steps: list[str], preempted: set[str]) -> None:
-    output = scheduler.schedule()
-    steps.append(digest(output))
-    preempted.update(getattr(output, "preempted_req_ids", None) or ())
-    scheduler.update_from_output(output, model_output(scheduler, output, stream))
-    if stream.shape["spec"]:
-        names = [name for name in output.num_scheduled_tokens if name in scheduler.requests]
-        scheduler.update_draft_token_ids(DraftTokenIds(names, [stream.drafts() for _ in names]))
+class Driver:
+    """vLLM's engine core over one scheduler: synchronous, or (``pipelined``, async
+    scheduling) one step ahead, each step scheduled before the previous one's output is
+    in, as its batch queue does."""
+
+    def __init__(self, scheduler: Any, stream: Stream, pipelined: bool) -> None:
+        self.scheduler = scheduler
+        self.stream = stream
+        self.pipelined = pipelined
+        self.pending: tuple[Any, Any] | None = None
+        self.steps: list[str] = []
+        self.preempted: set[str] = set()
+        self.drafted = 0
+
+    def sampling(self, output: Any, placeholders: dict[str, int]) -> list[bool]:
+        """Whether each scheduled request samples this step: its prompt (and what it had
+        generated) computed once this step's tokens are; under async scheduling, as the
+        scheduler tells by the placeholders it added for the step's tokens."""
+        wanted = []
+        for name in output.num_scheduled_tokens:
+            request = self.scheduler.requests[name]
+            if self.pipelined:
+                wanted.append(request.num_output_placeholders > placeholders.get(name, 0))
+                continue
+            drafts = len(output.scheduled_spec_decode_tokens.get(name, ()))
+            wanted.append(request.num_computed_tokens - drafts >= request.num_tokens)
+        return wanted
+
+    def step(self) -> None:
+        scheduler, stream = self.scheduler, self.stream
+        placeholders = (
+            {name: r.num_output_placeholders for name, r in scheduler.requests.items()}
+            if self.pipelined
+            else {}
+        )
+        output = scheduler.schedule()
+        self.steps.append(digest(output))
+        self.preempted.update(getattr(output, "preempted_req_ids", None) or ())
+        self.drafted += sum(map(len, output.scheduled_spec_decode_tokens.values()))
+        names = list(output.num_scheduled_tokens)
+        tokens = [
+            stream.sampled(list(output.scheduled_spec_decode_tokens.get(name, ()))) if samples
+            else []
+            for name, samples in zip(names, self.sampling(output, placeholders))
+        ]  # fmt: skip
+        ran = (output, model_output(names, tokens))
+        if self.pipelined:
+            ran, self.pending = self.pending, ran  # type: ignore[assignment]
+            if ran is None:
+                return
+        scheduler.update_from_output(*ran)
+        if stream.shape["spec"]:
+            live = [name for name in names if name in scheduler.requests]
+            scheduler.update_draft_token_ids(DraftTokenIds(live, [stream.drafts() for _ in live]))
+
+    def flush(self) -> None:
+        """The output of the step still running (async scheduling), handed to the scheduler."""
+        if self.pending is not None:
+            self.scheduler.update_from_output(*self.pending)
+            self.pending = None
 
 
 def run(workload: str, seed: int, steps_wanted: int) -> dict[str, Any]:
@@ -224,8 +275,7 @@ def run(workload: str, seed: int, steps_wanted: int) -> dict[str, Any]:
     events_before = _report.events()
     findings_before = kvqueue.vllm.audit_findings()
     audited_before = kvqueue.vllm.audited_steps()
-    steps: list[str] = []
-    preempted: set[str] = set()
+    driver = Driver(scheduler, stream, shape.get("async", False))
     result: dict[str, Any] = {}
     try:
         for _ in range(steps_wanted):
@@ -233,21 +283,24 @@ def run(workload: str, seed: int, steps_wanted: int) -> dict[str, Any]:
                 scheduler.add_request(request)
             if aborted := stream.aborts(sorted(scheduler.requests)):
                 scheduler.finish_requests(aborted, ABORTED)
-            step(scheduler, stream, steps, preempted)
+            driver.step()
         for _ in range(DRAIN):
             if not scheduler.has_unfinished_requests():
                 break
-            step(scheduler, stream, steps, preempted)
+            driver.step()
+        driver.flush()
         result["unfinished"] = len(scheduler.requests)
-        step(scheduler, stream, steps, preempted)  # the last frees' finished ids are handed out
+        driver.step()  # the last frees' finished ids are handed out
+        driver.flush()
     except Exception as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
         result["raised"] = f"{type(exc).__name__}: {exc} ({where.filename}:{where.lineno})"
-    result["steps"] = steps
+    result["steps"] = driver.steps
     result["requests"] = stream.made
     result["free"] = pool.get_num_free_blocks()
     result["blocks"] = pool.num_gpu_blocks
-    result["preempted"] = len(preempted)
+    result["preempted"] = len(driver.preempted)
+    result["drafted"] = driver.drafted
     result["repairs"] = {k: v for k, v in kvqueue.vllm.pool_repairs(pool).items() if v}
     result["findings"] = {
         k: n - findings_before[k] for k, n in kvqueue.vllm.audit_findings().items()

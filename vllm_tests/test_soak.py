@@ -35,7 +35,7 @@ from kvqueue.vllm._lines import find
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ("prefix", "preempt", "spec", "connector", "sliding")
+WORKLOADS = ("prefix", "preempt", "spec", "async", "connector", "sliding")
 SEEDS = 3
 STEPS = 150
 KVQUEUE = ("cython", "python")
@@ -90,6 +90,7 @@ def test_vllm_alone_runs_the_workload_to_its_end(
     assert len(run["steps"]) > STEPS
     if workload != "prefix":  # too few blocks for every request at once
         assert run["preempted"]
+    assert bool(run["drafted"]) == (workload == "spec")
 
 
 @pytest.mark.parametrize("twin", KVQUEUE)
@@ -112,6 +113,5 @@ def test_kvqueue_reports_nothing_and_schedules_as_vllm_alone(
     )
     assert first is None, f"step {first} scheduled otherwise than vLLM alone"
     assert len(run["steps"]) == len(alone["steps"])
-    assert {k: run[k] for k in ("free", "unfinished", "requests", "preempted")} == {
-        k: alone[k] for k in ("free", "unfinished", "requests", "preempted")
-    }
+    counts = ("free", "unfinished", "requests", "preempted", "drafted")
+    assert {k: run[k] for k in counts} == {k: alone[k] for k in counts}
