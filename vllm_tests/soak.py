@@ -32,13 +32,22 @@ Workloads (each also has aborts and stops by EOS and by length):
   (the mock finds its 32 tokens past any local hit, more than some prompts have left).
 * ``sliding``: a sliding-window attention cache (64 tokens) with prefix caching and
   preemptions: blocks out of the window freed while the request runs (lines whose
-  ``create_scheduler`` takes ``kv_cache_spec``: 0.34).
+  ``create_scheduler`` takes ``kv_cache_spec``).
+* ``hybrid``: two cache groups, full attention and a sliding window of 64 tokens, over one
+  pool, prefix caching and preemptions (lines whose connector test helpers build it).
+* ``mamba``: two cache groups, full attention and mamba (``mamba_cache_mode="align"``),
+  prefix caching and preemptions (as ``hybrid``).
+
+Each run also counts the requests scheduled with tokens already computed (prefix hits,
+or the connector's), the preempted requests, the drafts scheduled and the cache groups, so
+that a workload shows it does what it is named for.
 
 Not covered: speculative decoding under async scheduling (its drafts come back as
 placeholders the model runner fills, ``update_draft_token_ids_in_output``), asynchronous
-connector loads and delayed frees (the connector's output must then say which
-transfers ended), and hybrid caches of several groups (``create_scheduler`` builds one
-group; vLLM's hybrid tests build their managers without a scheduler).
+connector loads and delayed frees (the connector's output must then say which transfers
+ended), a connector over a hybrid cache (the mock connector does not support it), and
+multimodal or structured-output requests (their state is the encoder cache's and the
+grammar's, not the block pool's).
 """
 
 from __future__ import annotations
@@ -69,8 +78,17 @@ EOS = utils.EOS_TOKEN_ID
 # Steps that drain the requests left after the last arrival may take at most (a bound that
 # a scheduler making progress never meets).
 DRAIN = 2000
-TAKES = inspect.signature(utils.create_scheduler).parameters
 OUTPUT_FIELDS = {field.name for field in dataclasses.fields(ModelRunnerOutput)}
+# Few enough blocks that the requests of most steps do not all fit: preemptions.
+SMALL = {"enable_prefix_caching": True, "num_blocks": 48, "max_num_batched_tokens": 128}
+
+
+def takes(function: Any, *names: str) -> str | None:
+    """Why ``function`` cannot be called with ``names`` on this line (None: it can)."""
+    missing = [name for name in names if name not in inspect.signature(function).parameters]
+    if missing:
+        return f"this line's {function.__name__} takes no {', '.join(missing)}"
+    return None
 
 
 def connector() -> dict[str, Any]:
@@ -84,47 +102,71 @@ def sliding() -> dict[str, Any]:
     return {"kv_cache_spec": spec}
 
 
-# name: (create_scheduler's arguments, or what makes them; the stream's shape)
+def hybrid(check: bool = False, mamba: bool = False) -> Any:
+    """A scheduler over two cache groups, full attention and a sliding window of 64 tokens,
+    built by the line's connector test helpers (``create_scheduler`` of
+    ``tests/v1/core/utils.py`` builds one group), without a connector. ``check``: why the line cannot build it (None: it can)."""
+    from tests.v1.kv_connector.unit import utils as helpers
+
+    if check:
+        return takes(helpers.create_vllm_config, "kv_connector", "kv_role") or takes(
+            helpers.make_kv_cache_config, "swa_enabled", "sw_size"
+        )
+    config = helpers.create_vllm_config(
+        max_num_batched_tokens=128, block_size=BLOCK, kv_connector="MockKVConnector",
+        kv_role="kv_both", kv_connector_extra_config={"matched_tokens": 0, "is_async": False},
+    )  # fmt: skip
+    # No connector after all, and the hybrid manager on (the mock's presence turned it off),
+    # as vLLM's hybrid connector tests turn it on again.
+    config.kv_transfer_config = None
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    blocks = 48 if mamba else 96
+    if mamba:
+        config.cache_config.mamba_cache_mode = "align"
+        caches = helpers.make_kv_cache_config(
+            BLOCK, mamba_enabled=True, num_blocks=blocks, mamba_cache_mode="align"
+        )
+    else:
+        caches = helpers.make_kv_cache_config(
+            BLOCK, swa_enabled=True, sw_size=4 * BLOCK, num_blocks=blocks
+        )
+    return helpers.create_scheduler(config, num_blocks=blocks, kv_cache_config=caches)
+
+
+def core(make: Any = dict, **arguments: Any) -> Any:
+    """A maker of ``tests/v1/core/utils.py``'s scheduler: ``arguments`` and what ``make``
+    returns (when called: some need vLLM's test modules); with ``check=True``, why the
+    line's ``create_scheduler`` cannot build it (None: it can)."""
+
+    def build(check: bool = False) -> Any:
+        given = {**arguments, **make()}
+        if check:
+            return takes(utils.create_scheduler, *given)
+        return utils.create_scheduler(**given)
+
+    return build
+
+
+# name: (what builds the scheduler; the stream's shape)
 WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
     "prefix": (
-        {"enable_prefix_caching": True, "num_blocks": 400, "max_num_batched_tokens": 512},
+        core(enable_prefix_caching=True, num_blocks=400, max_num_batched_tokens=512),
         {"spec": 0, "min_prompt": 1},
     ),
-    "preempt": (
-        {"enable_prefix_caching": True, "num_blocks": 48, "max_num_batched_tokens": 128},
-        {"spec": 0, "min_prompt": 1},
-    ),
+    "preempt": (core(**SMALL), {"spec": 0, "min_prompt": 1}),
     "spec": (
-        {"enable_prefix_caching": True, "num_blocks": 56, "max_num_batched_tokens": 128,
-         "num_speculative_tokens": 3},
+        core(**{**SMALL, "num_blocks": 56}, num_speculative_tokens=3),
         {"spec": 3, "min_prompt": 1},
-    ),  # fmt: skip
+    ),
+    "async": (core(**SMALL, async_scheduling=True), {"spec": 0, "min_prompt": 1, "async": True}),
     "connector": (
-        lambda: {"enable_prefix_caching": False, "num_blocks": 64,
-                 "max_num_batched_tokens": 256, **connector()},
+        core(connector, enable_prefix_caching=False, num_blocks=64, max_num_batched_tokens=256),
         {"spec": 0, "min_prompt": 3 * BLOCK},
-    ),  # fmt: skip
-    "async": (
-        {"enable_prefix_caching": True, "num_blocks": 48, "max_num_batched_tokens": 128,
-         "async_scheduling": True},
-        {"spec": 0, "min_prompt": 1, "async": True},
-    ),  # fmt: skip
-    "sliding": (
-        lambda: {"enable_prefix_caching": True, "num_blocks": 40,
-                 "max_num_batched_tokens": 128, **sliding()},
-        {"spec": 0, "min_prompt": 1},
-    ),  # fmt: skip
+    ),
+    "sliding": (core(sliding, **{**SMALL, "num_blocks": 40}), {"spec": 0, "min_prompt": 1}),
+    "hybrid": (hybrid, {"spec": 0, "min_prompt": 1}),
+    "mamba": (lambda check=False: hybrid(check, mamba=True), {"spec": 0, "min_prompt": 1}),
 }
-
-
-def unsupported(workload: str) -> str | None:
-    """Why this line's ``create_scheduler`` cannot build ``workload`` (None: it can)."""
-    needs = {"sliding": "kv_cache_spec", "spec": "num_speculative_tokens",
-             "connector": "use_kv_connector", "async": "async_scheduling"}  # fmt: skip
-    wanted = needs.get(workload)
-    if wanted is not None and wanted not in TAKES:
-        return f"this line's create_scheduler takes no {wanted}"
-    return None
 
 
 class Stream:
@@ -218,6 +260,7 @@ class Driver:
         self.steps: list[str] = []
         self.preempted: set[str] = set()
         self.drafted = 0
+        self.hits = 0
 
     def sampling(self, output: Any, placeholders: dict[str, int]) -> list[bool]:
         """Whether each scheduled request samples this step: its prompt (and what it had
@@ -244,6 +287,7 @@ class Driver:
         self.steps.append(digest(output))
         self.preempted.update(getattr(output, "preempted_req_ids", None) or ())
         self.drafted += sum(map(len, output.scheduled_spec_decode_tokens.values()))
+        self.hits += sum(1 for new in output.scheduled_new_reqs if new.num_computed_tokens)
         names = list(output.num_scheduled_tokens)
         tokens = [
             stream.sampled(list(output.scheduled_spec_decode_tokens.get(name, ()))) if samples
@@ -268,8 +312,8 @@ class Driver:
 
 
 def run(workload: str, seed: int, steps_wanted: int) -> dict[str, Any]:
-    arguments, shape = WORKLOADS[workload]
-    scheduler = utils.create_scheduler(**(arguments() if callable(arguments) else arguments))
+    build, shape = WORKLOADS[workload]
+    scheduler = build()
     pool = scheduler.kv_cache_manager.block_pool
     stream = Stream(seed, shape)
     events_before = _report.events()
@@ -301,6 +345,8 @@ def run(workload: str, seed: int, steps_wanted: int) -> dict[str, Any]:
     result["blocks"] = pool.num_gpu_blocks
     result["preempted"] = len(driver.preempted)
     result["drafted"] = driver.drafted
+    result["hits"] = driver.hits
+    result["groups"] = len(scheduler.kv_cache_manager.coordinator.single_type_managers)
     result["repairs"] = {k: v for k, v in kvqueue.vllm.pool_repairs(pool).items() if v}
     result["findings"] = {
         k: n - findings_before[k] for k, n in kvqueue.vllm.audit_findings().items()
@@ -319,7 +365,7 @@ def main() -> None:
     workloads, seeds, steps = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
     results: dict[str, Any] = {}
     for workload in workloads:
-        why = unsupported(workload)
+        why = WORKLOADS[workload][0](check=True)
         if why is not None:
             results[workload] = {"unsupported": why}
             continue

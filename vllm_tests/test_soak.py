@@ -35,9 +35,9 @@ from kvqueue.vllm._lines import find
 LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ("prefix", "preempt", "spec", "async", "connector", "sliding")
-SEEDS = 3
-STEPS = 150
+WORKLOADS = ("prefix", "preempt", "spec", "async", "connector", "sliding", "hybrid", "mamba")
+SEEDS = 4
+STEPS = 350
 KVQUEUE = ("cython", "python")
 
 
@@ -91,6 +91,8 @@ def test_vllm_alone_runs_the_workload_to_its_end(
     if workload != "prefix":  # too few blocks for every request at once
         assert run["preempted"]
     assert bool(run["drafted"]) == (workload == "spec")
+    assert run["hits"]  # prefix hits (the connector: tokens found outside)
+    assert run["groups"] == (2 if workload in ("hybrid", "mamba") else 1)
 
 
 @pytest.mark.parametrize("twin", KVQUEUE)
@@ -113,5 +115,5 @@ def test_kvqueue_reports_nothing_and_schedules_as_vllm_alone(
     )
     assert first is None, f"step {first} scheduled otherwise than vLLM alone"
     assert len(run["steps"]) == len(alone["steps"])
-    counts = ("free", "unfinished", "requests", "preempted", "drafted")
+    counts = ("free", "unfinished", "requests", "preempted", "drafted", "hits")
     assert {k: run[k] for k in counts} == {k: alone[k] for k in counts}
