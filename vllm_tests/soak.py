@@ -109,8 +109,9 @@ def hybrid(check: bool = False, mamba: bool = False) -> Any:
     from tests.v1.kv_connector.unit import utils as helpers
 
     if check:
+        groups = ("mamba_enabled", "mamba_cache_mode") if mamba else ("swa_enabled", "sw_size")
         return takes(helpers.create_vllm_config, "kv_connector", "kv_role") or takes(
-            helpers.make_kv_cache_config, "swa_enabled", "sw_size"
+            helpers.make_kv_cache_config, *groups
         )
     config = helpers.create_vllm_config(
         max_num_batched_tokens=128, block_size=BLOCK, kv_connector="MockKVConnector",
