@@ -134,16 +134,15 @@ def hybrid(check: bool = False, mamba: bool = False) -> Any:
     return helpers.create_scheduler(config, num_blocks=blocks, kv_cache_config=caches)
 
 
-def core(make: Any = dict, **arguments: Any) -> Any:
+def core(make: Any = dict, needs: tuple[str, ...] = (), **arguments: Any) -> Any:
     """A maker of ``tests/v1/core/utils.py``'s scheduler: ``arguments`` and what ``make``
-    returns (when called: some need vLLM's test modules); with ``check=True``, why the
-    line's ``create_scheduler`` cannot build it (None: it can)."""
+    returns (the arguments named ``needs``: made when called, from vLLM's test modules);
+    with ``check=True``, why the line's ``create_scheduler`` cannot build it (None: it can)."""
 
     def build(check: bool = False) -> Any:
-        given = {**arguments, **make()}
         if check:
-            return takes(utils.create_scheduler, *given)
-        return utils.create_scheduler(**given)
+            return takes(utils.create_scheduler, *arguments, *needs)
+        return utils.create_scheduler(**arguments, **make())
 
     return build
 
@@ -161,10 +160,13 @@ WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
     ),
     "async": (core(**SMALL, async_scheduling=True), {"spec": 0, "min_prompt": 1, "async": True}),
     "connector": (
-        core(connector, enable_prefix_caching=False, num_blocks=64, max_num_batched_tokens=256),
+        core(connector, ("use_kv_connector",), enable_prefix_caching=False, num_blocks=64, max_num_batched_tokens=256),
         {"spec": 0, "min_prompt": 3 * BLOCK},
     ),
-    "sliding": (core(sliding, **{**SMALL, "num_blocks": 40}), {"spec": 0, "min_prompt": 1}),
+    "sliding": (
+        core(sliding, ("kv_cache_spec",), **{**SMALL, "num_blocks": 40}),
+        {"spec": 0, "min_prompt": 1},
+    ),
     "hybrid": (hybrid, {"spec": 0, "min_prompt": 1}),
     "mamba": (lambda check=False: hybrid(check, mamba=True), {"spec": 0, "min_prompt": 1}),
 }
