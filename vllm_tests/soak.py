@@ -103,9 +103,10 @@ def sliding() -> dict[str, Any]:
 
 
 def hybrid(check: bool = False, mamba: bool = False) -> Any:
-    """A scheduler over two cache groups, full attention and a sliding window of 64 tokens,
-    built by the line's connector test helpers (``create_scheduler`` of
-    ``tests/v1/core/utils.py`` builds one group), without a connector. ``check``: why the line cannot build it (None: it can)."""
+    """A scheduler over two cache groups, full attention and a sliding window of 64 tokens
+    (``mamba``: mamba), built by the line's connector test helpers (``create_scheduler`` of
+    ``tests/v1/core/utils.py`` builds one group), without a connector. ``check``: why the
+    line cannot build it (None: it can)."""
     from tests.v1.kv_connector.unit import utils as helpers
 
     if check:
@@ -160,7 +161,13 @@ WORKLOADS: dict[str, tuple[Any, dict[str, Any]]] = {
     ),
     "async": (core(**SMALL, async_scheduling=True), {"spec": 0, "min_prompt": 1, "async": True}),
     "connector": (
-        core(connector, ("use_kv_connector",), enable_prefix_caching=False, num_blocks=64, max_num_batched_tokens=256),
+        core(
+            connector,
+            ("use_kv_connector",),
+            enable_prefix_caching=False,
+            num_blocks=64,
+            max_num_batched_tokens=256,
+        ),
         {"spec": 0, "min_prompt": 3 * BLOCK},
     ),
     "sliding": (
@@ -216,7 +223,7 @@ class Stream:
         """The tokens of one decoding step: a run of the drafts accepted, then one sampled."""
         rng = self.rng
         accepted = drafts[: rng.randrange(len(drafts) + 1)]
-        return accepted + [EOS if rng.random() < 0.03 else rng.randrange(1, 30000)]
+        return [*accepted, EOS if rng.random() < 0.03 else rng.randrange(1, 30000)]
 
     def drafts(self) -> list[int]:
         return [self.rng.randrange(1, 30000) for _ in range(self.shape["spec"])]
@@ -226,13 +233,17 @@ def digest(output: Any) -> str:
     """A short hash of what a step scheduled: the tokens per request, the blocks given to
     new and to running or resumed requests, the drafts, the preempted and finished ids."""
     cached = output.scheduled_cached_reqs
+    running = zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True)
     seen = {
         "tokens": sorted(output.num_scheduled_tokens.items()),
-        "new": [(r.req_id, r.num_computed_tokens, [list(g) for g in r.block_ids])
-                for r in output.scheduled_new_reqs],  # fmt: skip
-        "cached": [(name, computed, None if ids is None else [list(g) for g in ids])
-                   for name, computed, ids in zip(cached.req_ids, cached.num_computed_tokens,
-                                                  cached.new_block_ids)],  # fmt: skip
+        "new": [
+            (r.req_id, r.num_computed_tokens, [list(g) for g in r.block_ids])
+            for r in output.scheduled_new_reqs
+        ],
+        "cached": [
+            (name, computed, None if ids is None else [list(g) for g in ids])
+            for name, computed, ids in running
+        ],
         "drafts": sorted((k, list(v)) for k, v in output.scheduled_spec_decode_tokens.items()),
         "preempted": sorted(getattr(output, "preempted_req_ids", None) or ()),
         "finished": sorted(output.finished_req_ids),
@@ -292,16 +303,15 @@ class Driver:
         self.drafted += sum(map(len, output.scheduled_spec_decode_tokens.values()))
         self.hits += sum(1 for new in output.scheduled_new_reqs if new.num_computed_tokens)
         names = list(output.num_scheduled_tokens)
-        tokens = [
-            stream.sampled(list(output.scheduled_spec_decode_tokens.get(name, ()))) if samples
-            else []
-            for name, samples in zip(names, self.sampling(output, placeholders))
-        ]  # fmt: skip
-        ran = (output, model_output(names, tokens))
+        drafts = output.scheduled_spec_decode_tokens
+        sampling = zip(names, self.sampling(output, placeholders), strict=True)
+        tokens = [stream.sampled(list(drafts.get(name, ()))) if samples else []
+                  for name, samples in sampling]  # fmt: skip
+        ran: tuple[Any, Any] | None = (output, model_output(names, tokens))
         if self.pipelined:
-            ran, self.pending = self.pending, ran  # type: ignore[assignment]
-            if ran is None:
-                return
+            ran, self.pending = self.pending, ran
+        if ran is None:
+            return
         scheduler.update_from_output(*ran)
         if stream.shape["spec"]:
             live = [name for name in names if name in scheduler.requests]

@@ -109,10 +109,9 @@ def test_kvqueue_reports_nothing_and_schedules_as_vllm_alone(
     assert run["events"] == {}  # no refusal, repair, finding or stale index in the process
     assert run["audited"] == len(run["steps"])  # every step audited, each a full read
     assert alone["audited"] == 0  # vLLM alone ran no audit: the comparison is with vLLM's
-    first = next(
-        (i for i, (mine, its) in enumerate(zip(run["steps"], alone["steps"])) if mine != its),
-        None,
-    )
+    # The first step that differs, then whether one run has steps the other has not.
+    steps = zip(run["steps"], alone["steps"], strict=False)
+    first = next((i for i, (mine, its) in enumerate(steps) if mine != its), None)
     assert first is None, f"step {first} scheduled otherwise than vLLM alone"
     assert len(run["steps"]) == len(alone["steps"])
     counts = ("free", "unfinished", "requests", "preempted", "drafted", "hits")
