@@ -8,7 +8,8 @@ step's holder audit reads every listing and checks the holder index against it).
 (``vllm``: vLLM alone, then ``cython`` and ``python`` under ``on_misuse="raise"``), the digest
 of each step's ``SchedulerOutput``, the exception that stopped the run (if any), the pool's
 free count once every request is done, and kvqueue's counts (repairs of the pool, findings of
-the audit, every refusal, repair, finding or index rebuild of the process, audited steps).
+the audit, every refusal, repair, finding or index rebuild of the process, audited steps,
+the steps between the audit's full reads).
 
 The scheduler is driven as vLLM's engine core drives it, synchronously: ``schedule()``, then
 ``update_from_output()`` with the model runner's output built here (a sampled token for each
@@ -65,6 +66,7 @@ from typing import Any
 warnings.simplefilter("ignore")
 
 import no_triton  # noqa: E402
+import torch  # noqa: E402
 from tests.v1.core import utils  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -98,7 +100,12 @@ def connector() -> dict[str, Any]:
 
 
 def sliding() -> dict[str, Any]:
-    spec = utils.new_sliding_window_spec(num_kv_heads=1, head_size=1, sliding_window=4 * BLOCK)
+    # vLLM's own spec (the test helper that makes one is new in 0.34), shaped as
+    # create_scheduler shapes its full-attention one.
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32, sliding_window=4 * BLOCK)  # fmt: skip
     return {"kv_cache_spec": spec}
 
 
@@ -370,6 +377,7 @@ def run(workload: str, seed: int, steps_wanted: int) -> dict[str, Any]:
         if n > events_before.get(k, 0)
     }  # fmt: skip
     result["audited"] = kvqueue.vllm.audited_steps() - audited_before
+    result["audit_every"] = kvqueue.vllm.status()["audit_every"]
     return result
 
 

@@ -36,6 +36,7 @@ LINE = find(version("vllm"))
 assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
 HERE = Path(__file__).resolve().parent
 WORKLOADS = ("prefix", "preempt", "spec", "async", "connector", "sliding", "hybrid", "mamba")
+# Sized for about 80 s of two busy cores on the newest line, all workloads (its budget: 3 min).
 SEEDS = 4
 STEPS = 350
 KVQUEUE = ("cython", "python")
@@ -107,6 +108,7 @@ def test_kvqueue_reports_nothing_and_schedules_as_vllm_alone(
     assert run["repairs"] == {}
     assert run["findings"] == {}
     assert run["events"] == {}  # no refusal, repair, finding or stale index in the process
+    assert run["audit_every"] == 1
     assert run["audited"] == len(run["steps"])  # every step audited, each a full read
     assert alone["audited"] == 0  # vLLM alone ran no audit: the comparison is with vLLM's
     # The first step that differs, then whether one run has steps the other has not.
