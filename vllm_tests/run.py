@@ -64,9 +64,11 @@ CORE = ("tests/v1/core",)
 SUITES = {"quick": QUICK, "core": CORE, "full": FULL}
 TWINS = ("none", "cython", "python")
 # kvqueue's own tests that an older line runs (vllm_tests/ whole on the venv's line): the
-# double frees on its own BlockPool. The plugin's loading is the same code on every line (each
-# line's install check: tests/test_vllm_dropin.py), and a probe of it costs a vLLM import.
-LINE_TESTS = ("test_double_free.py", "test_holder_audit.py")
+# double frees on its own BlockPool, the holder audit on its Scheduler, and the no-false-alarm
+# soak on it (the workloads its test helpers build). The plugin's loading is the same code on
+# every line (each line's install check: tests/test_vllm_dropin.py), and a probe of it costs a
+# vLLM import.
+LINE_TESTS = ("test_double_free.py", "test_holder_audit.py", "test_soak.py")
 
 
 def in_scope(scope: str, line: Line) -> bool:
@@ -195,8 +197,8 @@ def unmatched(
 
 def kvqueue_tests(release: str, overlay: Path | None, work: Path, quick: bool) -> dict[str, Any]:
     """kvqueue's own tests on the line's real vLLM: all of vllm_tests/ on the venv's line;
-    on an older line, and with ``quick``, the double-free and holder tests (the live engines
-    take most of the full run's minutes; ``make demo`` runs one on any line).
+    on an older line, and with ``quick``, the double-free, holder and soak tests (the live
+    engines take most of the full run's minutes; ``make demo`` runs one on any line).
     Their outcome, from pytest's JUnit XML."""
     whole = overlay is None and not quick
     files = ["vllm_tests"] if whole else [str(HERE / name) for name in LINE_TESTS]
