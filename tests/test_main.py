@@ -343,3 +343,18 @@ def test_the_checks_reported_are_the_registrys() -> None:
     assert checks["FreeKVCacheBlockQueue.prepend_n"] == ["held_free", "listed_free"]
     assert checks["KVCacheManager.new_step_starts"][0] == "listed_free"
     assert len(checks) == len(_registry.KINDS)
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """``python -m kvqueue | head``: the reader gone before the report is written (``true``
+    reads nothing and exits while Python starts)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVQUEUE_", "VLLM_"))}
+    for flag in ("", "--json"):
+        done = subprocess.run(
+            f"{sys.executable} -m kvqueue {flag} | true",
+            shell=True,
+            env=clean,
+            capture_output=True,
+            text=True,
+        )
+        assert done.stderr == ""

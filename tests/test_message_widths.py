@@ -77,6 +77,9 @@ RAISED: dict[str, Callable[[], BaseException]] = {
         for n, what in enumerate(WHAT)
     },
     "listed_handed_out": lambda: _errors.listed_handed_out(CALL, BLOCK, WHAT[0], RELEASED, WHERE),
+    "listed_touched": lambda: _errors.listed_touched(CALL, BLOCK, WHAT[0], RELEASED, WHERE),
+    "queued_held": lambda: _errors.queued_held(CALL, BLOCK, WHAT[0], WHERE),
+    "released_listed": lambda: _errors.released_listed(CALL, BLOCK, WHAT[0], WHERE),
     "foreign_patch": lambda: _errors.foreign_patch(
         "vllm.v1.core.block_pool.BlockPool.free_blocks is not vLLM's: it was replaced by "
         "vllm_ascend.patch.worker.patch_common.patch_block_pool.free_blocks",
@@ -102,7 +105,16 @@ RAISED: dict[str, Callable[[], BaseException]] = {
     "too_long": lambda: _errors.too_long(1_048_576),
     "too_many": lambda: _errors.too_many(1_048_577, 1_048_576),
     "uncopyable": lambda: TypeError(_errors.UNCOPYABLE),
+    # A bad name given to install() or a queue, as long as a caller can make it.
+    "bad_policy": lambda: _raised(_policy.resolve, "repair-" * 40),
+    "bad_twin": lambda: _raised(_twin.named, "compiled-" * 40),
 }
+
+
+def _raised(call: Callable[[str], object], value: str) -> BaseException:
+    with pytest.raises(ValueError, match="must be") as caught:
+        call(value)
+    return caught.value
 
 
 def _too_wide(text: str) -> list[str]:
@@ -120,12 +132,13 @@ def test_each_exception_fits_as_a_traceback_prints_it(name: str) -> None:
 IN_POOL = [
     name
     for name in RAISED
-    if name.split("_")[0] in {"double", "stray", "ref", "touch", "held", "audit", "listed"}
+    if name.split("_")[0]
+    in {"double", "stray", "ref", "touch", "held", "audit", "listed", "queued", "released"}
 ]
 
 
 def test_the_pool_and_the_caller_end_the_guards_and_the_audits_messages_on_their_own_line() -> None:
-    assert len(IN_POOL) == 13
+    assert len(IN_POOL) == 16
     for name in IN_POOL:
         said = str(RAISED[name]())
         pool = WHERE.partition("; ")[0]

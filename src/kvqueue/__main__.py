@@ -277,11 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     facts, problems = report()
     # A value that is not valid text (KVQUEUE_VLLM=$'\xff') must not stop the report.
     sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
-    if args.json:
-        json.dump({**facts, "problems": problems}, sys.stdout, indent=1)
-        print()
-    else:
-        _print(facts, problems)
+    try:
+        if args.json:
+            json.dump({**facts, "problems": problems}, sys.stdout, indent=1)
+            print()
+        else:
+            _print(facts, problems)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # A reader that stopped early (python -m kvqueue | head): Python's own advice, so
+        # that the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 1 if problems else 0
 
 

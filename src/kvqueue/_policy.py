@@ -95,4 +95,5 @@ def resolve(on_misuse: object) -> MisusePolicy:
         return "raise"
     if on_misuse == "repair" and type(on_misuse) is str:
         return "repair"
-    raise ValueError(f"on_misuse must be 'raise', 'repair' or None, not {on_misuse!r:.80}")
+    # At most 100 columns after "ValueError: ", as a traceback prints it.
+    raise ValueError(f"on_misuse must be 'raise', 'repair' or None, not {on_misuse!r:.38}")

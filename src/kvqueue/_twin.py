@@ -76,7 +76,9 @@ def named(implementation: str) -> Twin:
             raise _errors.compiled_missing(exc) from exc
     if implementation == "python":
         return _pure("named")
-    raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {implementation!r}")
+    # At most 100 columns after "ValueError: ", as a traceback prints it.
+    shown = f"{implementation!r:.30}"
+    raise ValueError(f"implementation must be 'auto', 'cython' or 'python', not {shown}")
 
 
 def _compiled() -> Twin:
