@@ -12,7 +12,7 @@
 # whose allocation stack passes through kvqueue. Logs stay in build/memcheck/.
 #
 # Usage: make memcheck [MEMCHECK_ARGS=--full]   (default: the short run CI does; 16 min on
-#        CPython 3.13, 14-17 on 3.12, 7 on 3.11, on 2 cores busy with other work)
+#        CPython 3.13, 14-17 on 3.12, 7 on 3.11, 13 on 3.10, on 2 cores busy with other work)
 #        VENV=DIR bash .ci/memcheck.sh [--full]   (default VENV: .venv-memcheck)
 set -euo pipefail
 cd "$(dirname "$0")/.."
