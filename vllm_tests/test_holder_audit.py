@@ -12,13 +12,7 @@ they are queued.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import warnings
-from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,16 +22,10 @@ with warnings.catch_warnings():
     pytest.importorskip("vllm")
 pytest.importorskip("kvqueue.vllm")
 
-import hub
-import sdist
-
-from kvqueue.vllm._lines import find
+import on_line
 
 from support.helpers import one_line
 
-LINE = find(version("vllm"))
-assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
-HERE = Path(__file__).resolve().parent
 # A guarded free, by a caller that is no manager of the pool, of a reference a live request
 # holds: met at that free, before any count moves (after_audit: in a callback of the step
 # after its audit, so the step raises under "raise").
@@ -50,33 +38,10 @@ KVQUEUE = ("cython", "python")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    assert LINE is not None
-    root = sdist.tests_root(LINE.release)
     home = tmp_path_factory.mktemp("hf-home")
-    hub.write(home)
-    path = [str(root), str(HERE), os.environ.get("PYTHONPATH", "")]
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in path if p),
-        HF_HOME=str(home),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_TARGET_DEVICE="cpu",
+    return on_line.run(
+        "holder_scenario.py", [",".join(FORMS + EXIT_FORMS + ENTRY_FORMS)], home, 600
     )
-    env.pop("KVQUEUE_ON_MISUSE", None)
-    forms = ",".join(FORMS + EXIT_FORMS + ENTRY_FORMS)
-    done = subprocess.run(
-        [sys.executable, str(HERE / "holder_scenario.py"), forms],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
-    return found
 
 
 def over_held(run: dict[str, Any]) -> list[list[int]]:

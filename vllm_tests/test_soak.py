@@ -11,13 +11,8 @@ that run the requests left to their end.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import warnings
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,14 +22,8 @@ with warnings.catch_warnings():
     pytest.importorskip("vllm")
 pytest.importorskip("kvqueue.vllm")
 
-import hub
-import sdist
+import on_line
 
-from kvqueue.vllm._lines import find
-
-LINE = find(version("vllm"))
-assert LINE is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
-HERE = Path(__file__).resolve().parent
 WORKLOADS = ("prefix", "preempt", "spec", "async", "connector", "sliding", "hybrid", "mamba")
 # Sized for about 80 s of two busy cores on the newest line, all workloads (its budget: 3 min).
 SEEDS = 4
@@ -44,33 +33,10 @@ KVQUEUE = ("cython", "python")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    assert LINE is not None
-    root = sdist.tests_root(LINE.release)
     home = tmp_path_factory.mktemp("hf-home")
-    hub.write(home)
-    path = [str(root), str(HERE), os.environ.get("PYTHONPATH", "")]
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in path if p),
-        HF_HOME=str(home),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_TARGET_DEVICE="cpu",
-        KVQUEUE_AUDIT_EVERY="1",
+    return on_line.run(
+        "soak.py", [",".join(WORKLOADS), str(SEEDS), str(STEPS)], home, 900, KVQUEUE_AUDIT_EVERY="1"
     )
-    env.pop("KVQUEUE_ON_MISUSE", None)
-    done = subprocess.run(
-        [sys.executable, str(HERE / "soak.py"), ",".join(WORKLOADS), str(SEEDS), str(STEPS)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
-    return found
 
 
 def runs(results: dict[str, Any], workload: str, seed: int) -> dict[str, Any]:
