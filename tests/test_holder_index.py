@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import pickle
 import random
+import tracemalloc
 from collections import defaultdict
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
@@ -20,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvqueue import _errors
-from kvqueue.vllm import _audit, _index, _pool_guard, _report
+from kvqueue.vllm import _audit, _index, _pool_guard, _report, _screen_py
 from kvqueue.vllm._lines import LINES
 
 from support.fake_pool import consistent, guarded, make_pool, policy_of, screen_of, state
@@ -69,7 +71,7 @@ def recount(index: _index.Index) -> list[int]:
     counts = [0] * len(index.blocks)
     for table in index.live():
         for listed in dict.values(table):
-            if type(listed) is not _index.Listed:
+            if type(listed) is not index.screen.Listed:
                 continue
             for block in listed:
                 block_id: Any = getattr(block, "block_id", None)
@@ -106,7 +108,7 @@ def test_a_manager_built_after_the_guard_counts_and_one_before_does_not(
     pool = stand_in_pool(4)
     before = HiSparseHotManager(pool)
     made = managers(pool)
-    assert type(made.req_to_blocks) is _index.Table
+    assert type(made.req_to_blocks) is screen.Table
     assert type(before.req_to_blocks) is defaultdict  # HiSparse's keeps its own
     index = _index.index_of(pool)
     assert index is not None
@@ -138,21 +140,23 @@ class UntrackingManager(FullAttentionManager):
 
         def untracked() -> list[Any]:
             made: list[Any] = []
-            _index._untrack(made)
+            _screen_py._untrack(made)
             return made
 
         self.req_to_blocks = defaultdict(untracked)
 
 
-def test_lists_stay_out_of_the_collectors_sight_as_vllms_do(managers: type) -> None:
-    originals = _index.guard_init(UntrackingManager)
+def test_lists_stay_out_of_the_collectors_sight_as_vllms_do(
+    managers: type, screen: ModuleType
+) -> None:
+    originals = _index.guard_init(UntrackingManager, None, screen)
     try:
         made = UntrackingManager(stand_in_pool(2))
         tracked = managers(stand_in_pool(2))
     finally:
         _index.unguard_init(UntrackingManager, originals)
-    assert type(tracked.req_to_blocks) is _index.Table
-    assert type(made.req_to_blocks) is _index.Table
+    assert type(tracked.req_to_blocks) is screen.Table
+    assert type(made.req_to_blocks) is screen.Table
     assert not gc.is_tracked(made.req_to_blocks["A"])
     assert gc.is_tracked(tracked.req_to_blocks["A"])
 
@@ -162,7 +166,7 @@ def test_guarding_again_wraps_vllms_init_not_kvqueues() -> None:
     again = _index.guard_init(FullAttentionManager)  # install() again, another twin
     assert again == first
     made = FullAttentionManager(stand_in_pool(2))
-    assert type(made.req_to_blocks) is _index.Table
+    assert type(made.req_to_blocks) is _screen_py.Table
     _index.unguard_init(FullAttentionManager, again)
     assert vars(FullAttentionManager)["__init__"] is first["__init__"]
     assert _index.guard_init(HiSparseHotManager) == {}  # no __init__ of its own
@@ -280,6 +284,96 @@ def test_a_change_out_of_sight_is_found_by_a_recount(managers: type) -> None:
     made.req_to_blocks = {"B": [pool.blocks[2]]}  # a table put in the manager's place
     assert index.rebuild() is False  # the old table (now empty) lists nothing
     assert index.live() == []
+
+
+def _methods(cls: type) -> set[str]:
+    return {name for name in vars(cls) if not name.startswith("_")}
+
+
+@pytest.mark.cython
+def test_both_twins_make_the_same_tables() -> None:
+    from kvqueue.vllm import _screen
+
+    for name in ("Table", "Listed"):
+        pure, compiled = getattr(_screen_py, name), getattr(_screen, name)
+        assert _methods(pure) - {"manager", "name", "tally", "untracked"} == _methods(compiled) - {
+            "manager",
+            "name",
+            "tally",
+            "untracked",
+        }
+        assert compiled.__mro__[1] is pure.__mro__[1]  # dict, list: their reads are theirs
+        # The compiled twin's docstrings open with the signature (embedsignature).
+        for said, compiled_said in [
+            (pure.__doc__, compiled.__doc__),
+            *((vars(pure)[m].__doc__, vars(compiled)[m].__doc__) for m in _methods(pure)),
+        ]:
+            if said is not None:
+                assert inspect.cleandoc(said) in inspect.cleandoc(compiled_said)
+        for method in ("__missing__", "__setitem__", "__delitem__", "__reduce_ex__"):
+            assert (method in vars(pure)) == (method in vars(compiled)), method
+
+
+# What a caller may do to the tables and lists out of order: made without __init__, their
+# index taken away, asked for what is not there. Each twin answers alike, never a crash.
+_HOSTILE = (
+    lambda screen: screen.Listed.__new__(screen.Listed).append(1),
+    lambda screen: screen.Listed.__new__(screen.Listed).pop(),
+    lambda screen: screen.Listed.__new__(screen.Listed).remove(1),
+    lambda screen: screen.Listed.__new__(screen.Listed).__setitem__(0, 1),
+    lambda screen: screen.Listed.__new__(screen.Listed).__delitem__(slice(None)),
+    lambda screen: screen.Listed.__new__(screen.Listed).detach(),
+    lambda screen: screen.Listed(None, [1, 2]).__imul__(-1),
+    lambda screen: screen.Listed(SimpleNamespace(), [1]),
+    lambda screen: screen.Table.__new__(screen.Table).pop("A"),
+    lambda screen: screen.Table.__new__(screen.Table).popitem(),
+    lambda screen: screen.Table.__new__(screen.Table).setdefault("A"),
+    lambda screen: screen.Table.__new__(screen.Table).update({"A": [1]}, B=[2]),
+    lambda screen: screen.Table.__new__(screen.Table).in_place(),
+    lambda screen: screen.Table.__new__(screen.Table).copy(),
+    lambda screen: screen.Table.__new__(screen.Table)["A"],
+    lambda screen: screen.Table(None, SimpleNamespace(), False)["A"].append(1),
+)
+
+
+def _answer(screen: ModuleType, call: Any) -> Any:
+    try:
+        made = call(screen)
+    except Exception as exc:  # the kind of error is the answer
+        return type(exc)
+    return list(made) if isinstance(made, list) else made
+
+
+@pytest.mark.cython
+@pytest.mark.parametrize("call", range(len(_HOSTILE)))
+def test_a_table_used_out_of_order_answers_alike_in_both_twins(call: int) -> None:
+    from kvqueue.vllm import _screen
+
+    pure, compiled = (_answer(screen, _HOSTILE[call]) for screen in (_screen_py, _screen))
+    assert pure == compiled
+
+
+def test_tables_churned_leave_memory_flat(managers: type) -> None:
+    pool, made, index = indexed(managers)
+    table = made.req_to_blocks
+
+    def churn() -> None:
+        for i in range(200):
+            table[f"r{i}"].extend(pool.blocks[1:3])
+        for i in range(200):
+            table.pop(f"r{i}")
+
+    churn()
+    tracemalloc.start()
+    try:
+        churn()
+        first = tracemalloc.get_traced_memory()[0]
+        for _ in range(20):
+            churn()
+        assert tracemalloc.get_traced_memory()[0] - first < 4096
+    finally:
+        tracemalloc.stop()
+    assert index.counts == [0, 0, 0, 0]
 
 
 # -- the free list's exit, on a stand-in pool -------------------------------------------------

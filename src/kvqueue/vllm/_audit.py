@@ -456,7 +456,7 @@ def _by_manager(index: _index.Index) -> bool:
     frame = _report.caller()
     owner = None if frame is None else frame.f_locals.get("self")
     table = getattr(owner, "__dict__", {}).get("req_to_blocks")
-    return type(table) is _index.Table and table.tally is index
+    return table is not None and type(table) is index.screen.Table and table.tally is index
 
 
 def _refused(

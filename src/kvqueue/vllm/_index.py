@@ -3,7 +3,8 @@ kept as the listings change, so that a check at a move costs what the move moves
 
 vLLM's managers keep, per request, the blocks it holds (``req_to_blocks``: request id ->
 list of blocks). With kvqueue installed, each manager vLLM builds ends its ``__init__`` with
-that table replaced by a :class:`Table` of :class:`Listed` lists, which hold the same blocks
+that table replaced by a ``Table`` of ``Listed`` lists (the screens' of the guard's twin:
+``_screen_py.py``, ``_screen.pyx``), which hold the same blocks
 and move the pool's :class:`Index` at every change: O(1) a block added or dropped, whatever
 the cache's size. A list taken out of its table (a request freed) stops counting, and its
 blocks with it. HiSparse's managers keep their own (see :func:`unpins`).
@@ -19,22 +20,19 @@ is listed is a fault only once a table in place lists it.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from types import ModuleType
-from typing import Any, SupportsIndex
+from typing import Any
 
 from . import _screen_py
 
 __all__ = (
     "INDEXES",
     "Index",
-    "Listed",
-    "Table",
     "adopt",
     "guard_init",
     "index_of",
@@ -46,14 +44,15 @@ __all__ = (
 class Index:
     """Per pool: ``counts[block_id]``, how many times live requests list that block, and
     the tables that list them (read only to name a block's holders, or to count again).
-    ``screen``: the screens that count (``count``, ``count_one``) of the pool guard's twin."""
+    ``screen``: the screens of the pool guard's twin, which count (``count``, ``count_one``)
+    and make the tables (``Table``, ``Listed``)."""
 
     __slots__ = ("__weakref__", "blocks", "counts", "screen", "tables")
 
     def __init__(self, blocks: list[Any], screen: ModuleType) -> None:
         self.blocks = blocks
         self.counts = [0] * len(blocks)
-        self.tables: list[weakref.ref[Table]] = []
+        self.tables: list[weakref.ref[Any]] = []
         self.screen = screen
 
     def add(self, blocks: Iterable[Any], step: int = 1) -> None:
@@ -72,7 +71,7 @@ class Index:
             return counts[block_id]
         return None
 
-    def live(self) -> list[Table]:
+    def live(self) -> list[Any]:
         """The tables still their manager's ``req_to_blocks`` (one put out of place, or
         whose manager is gone, lists nothing)."""
         found = (ref() for ref in self.tables)
@@ -93,229 +92,31 @@ class Index:
         """Count every listing again (O(listings + pool blocks)); whether the counts were
         wrong. A table out of place stops counting, and its lists with it."""
         live = self.live()
+        listed_type = self.screen.Listed
         for ref in self.tables:
             table = ref()
             if table is not None and all(table is not each for each in live):
                 for listed in dict.values(table):
-                    _detach(listed)
+                    if type(listed) is listed_type:
+                        listed.detach()
         self.tables = [weakref.ref(table) for table in live]
         counts = self.counts
         self.counts = [0] * len(self.blocks)
         for table in live:
             for listed in dict.values(table):
-                if type(listed) is Listed:
+                if type(listed) is listed_type:
                     listed.tally = self
                     self.add(listed)
         return self.counts != counts
 
 
-class Listed(list):  # type: ignore[type-arg]
-    """A request's blocks in one manager's table: a list that moves its index as it changes
-    (O(1) a block), until it leaves its table (``tally`` None: a list like any other)."""
-
-    __slots__ = ("tally",)
-
-    def __init__(self, index: Index | None, blocks: Iterable[Any] = ()) -> None:
-        super().__init__(blocks)
-        self.tally = index
-        if index is not None:
-            index.add(self)
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        # A copy (copy, deepcopy, pickle) is in no table: a plain list.
-        return (list, (list(self),))
-
-    # detach, append and extend run at every request's removal and every allocation: they
-    # call the screen themselves, one Python call fewer than Index.add's.
-    def detach(self) -> None:
-        """Out of its table: its blocks are listed no more, and it counts nothing again."""
-        tally = self.tally
-        if tally is not None:
-            tally.screen.count(self, tally.blocks, tally.counts, -1)
-            self.tally = None
-
-    def append(self, block: Any) -> None:
-        list.append(self, block)
-        tally = self.tally
-        if tally is not None:
-            tally.screen.count_one(block, tally.blocks, tally.counts, 1)
-
-    def extend(self, blocks: Iterable[Any]) -> None:
-        blocks = list(blocks)
-        list.extend(self, blocks)
-        tally = self.tally
-        if tally is not None:
-            tally.screen.count(blocks, tally.blocks, tally.counts, 1)
-
-    def __iadd__(self, blocks: Iterable[Any]) -> Listed:  # type: ignore[misc]
-        self.extend(blocks)
-        return self
-
-    def __imul__(self, times: SupportsIndex) -> Listed:
-        before = list(self)
-        list.__imul__(self, times)
-        if self.tally is not None:
-            self.tally.add(before, -1)
-            self.tally.add(self)
-        return self
-
-    def insert(self, where: SupportsIndex, block: Any) -> None:
-        list.insert(self, where, block)
-        if self.tally is not None:
-            self.tally.add_one(block)
-
-    def pop(self, where: SupportsIndex = -1) -> Any:
-        block = list.pop(self, where)
-        if self.tally is not None:
-            self.tally.add_one(block, -1)
-        return block
-
-    def remove(self, block: Any) -> None:
-        # The element list.remove would take (the first equal one), by its place.
-        self.pop(list.index(self, block))
-
-    def clear(self) -> None:
-        before = list(self)
-        list.clear(self)
-        if self.tally is not None:
-            self.tally.add(before, -1)
-
-    def __setitem__(self, where: Any, value: Any) -> None:
-        before = list.__getitem__(self, where)
-        if type(where) is slice:
-            value = list(value)
-            list.__setitem__(self, where, value)
-            if self.tally is not None:
-                self.tally.add(before, -1)
-                self.tally.add(value)
-        else:
-            list.__setitem__(self, where, value)
-            if self.tally is not None:
-                self.tally.add_one(before, -1)
-                self.tally.add_one(value)
-
-    def __delitem__(self, where: Any) -> None:
-        before = list.__getitem__(self, where)
-        list.__delitem__(self, where)
-        if self.tally is not None:
-            self.tally.add(before if type(where) is slice else [before], -1)
-
-
-_ABSENT: Any = object()
-
-
-class Table(defaultdict):  # type: ignore[type-arg]
-    """One manager's ``req_to_blocks``: a ``defaultdict`` whose lists (made as a request
-    is first looked up, as vLLM's are) are :class:`Listed` of one index; a list taken out
-    is detached. A list put in by hand is kept as it is, the very object (vLLM's tests
-    hold it), and uncounted: the full read still reads it."""
-
-    __slots__ = ("__weakref__", "manager", "name", "tally")
-
-    def __init__(self, index: Index, manager: Any, untracked: bool) -> None:
-        super().__init__(_untracked_listed(index) if untracked else lambda: Listed(index))
-        self.tally = index
-        self.manager = weakref.ref(manager)
-        self.name = type(manager).__name__
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        # A copy (copy, deepcopy, pickle) is no manager's table: a plain defaultdict of
-        # plain lists, as vLLM's own would copy.
-        return (_plain, (list(dict.items(self)),))
-
-    def copy(self) -> defaultdict[Any, Any]:  # type: ignore[override]
-        return _plain(list(dict.items(self)))
-
-    __copy__ = copy  # type: ignore[assignment]
-
-    def in_place(self) -> bool:
-        manager = self.manager()
-        return manager is not None and vars(manager).get("req_to_blocks") is self
-
-    def __setitem__(self, request: Any, blocks: Any) -> None:
-        if type(blocks) is Listed and blocks.tally is None:  # detached: counted again
-            blocks.tally = self.tally
-            self.tally.add(blocks)
-        old = dict.get(self, request)
-        dict.__setitem__(self, request, blocks)
-        if old is not None and old is not blocks:
-            _detach(old)
-
-    def __delitem__(self, request: Any) -> None:
-        old = dict.pop(self, request)
-        _detach(old)
-
-    def pop(self, request: Any, *default: Any) -> Any:
-        # One look-up where the request is listed: every finished request's removal.
-        old = dict.pop(self, request, _ABSENT)
-        if old is _ABSENT:
-            return dict.pop(self, request, *default)
-        if type(old) is Listed:
-            old.detach()
-        return old
-
-    def popitem(self) -> tuple[Any, Any]:
-        request, old = dict.popitem(self)
-        _detach(old)
-        return request, old
-
-    def clear(self) -> None:
-        old = list(self.values())
-        dict.clear(self)
-        for each in old:
-            _detach(each)
-
-    def setdefault(self, request: Any, default: Any = None) -> Any:
-        if request not in self:
-            self[request] = [] if default is None else default
-        return dict.__getitem__(self, request)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for request, blocks in dict(*args, **kwargs).items():
-            self[request] = blocks
-
-    def __ior__(self, other: Any) -> Table:  # type: ignore[misc]
-        self.update(other)
-        return self
-
-
-# vLLM (0.34+) keeps its tables' lists out of the cyclic collector's sight, so that a
-# collection does not visit every block of every request; a list kvqueue makes in their
-# place is kept out likewise. A Listed refers to blocks and to its index, neither of which
-# refers back to it: it can be in no cycle.
-# Only CPython's C API can untrack (PyPy's ctypes has no pythonapi): elsewhere a list kvqueue
-# makes stays tracked, which costs a collection time, never a block.
-_untrack: Any = getattr(getattr(ctypes, "pythonapi", None), "PyObject_GC_UnTrack", None)
-if _untrack is not None:
-    _untrack.argtypes = (ctypes.py_object,)
-    _untrack.restype = None
-
-
 def _untracks(factory: Any) -> bool:
-    """Whether ``factory`` (vLLM's table's) makes lists the collector does not track, and
-    kvqueue's can be kept out likewise."""
-    if factory is None or _untrack is None:
+    """Whether ``factory`` (vLLM's table's) makes lists the cyclic collector does not track:
+    kvqueue's table in its place keeps its lists out likewise."""
+    if factory is None:
         return False
     made = factory()
     return type(made) is list and not gc.is_tracked(made)
-
-
-def _untracked_listed(index: Index) -> Callable[[], Listed]:
-    def made() -> Listed:
-        listed = Listed(index)
-        _untrack(listed)
-        return listed
-
-    return made
-
-
-def _plain(items: list[tuple[Any, Any]]) -> defaultdict[Any, Any]:
-    return defaultdict(list, ((request, list(blocks)) for request, blocks in items))
-
-
-def _detach(blocks: Any) -> None:
-    if type(blocks) is Listed:
-        blocks.detach()
 
 
 # Per pool, by its id: a weak reference to it (its entry goes with it) and its index. Read
@@ -368,7 +169,7 @@ def adopt(
     on_index: Callable[[Any, Index], None] | None = None,
     screen: ModuleType = _screen_py,
 ) -> None:
-    """Give a just-built manager a :class:`Table` of its pool's index in place of vLLM's
+    """Give a just-built manager a ``Table`` of its pool's index in place of vLLM's
     ``req_to_blocks`` (a ``defaultdict``); O(what it lists). A HiSparse manager, one
     without a pool's block list, or a table of another kind keeps its own. ``on_index`` is
     handed each pool and its index when the index is made; ``screen``: the screens the index
@@ -388,7 +189,7 @@ def adopt(
             return
         if on_index is not None:
             on_index(pool, index)
-    made = Table(index, manager, _untracks(table.default_factory))
+    made = index.screen.Table(index, manager, _untracks(table.default_factory))
     for request, blocks in dict.items(table):
         made[request] = blocks
     manager.req_to_blocks = made

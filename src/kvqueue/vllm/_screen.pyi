@@ -2,6 +2,8 @@
 from ._screen_py import HOLDER_FAULTS as HOLDER_FAULTS
 from ._screen_py import OTHER_POOLS as OTHER_POOLS
 from ._screen_py import REPEATS as REPEATS
+from ._screen_py import Listed as Listed
+from ._screen_py import Table as Table
 from ._screen_py import first_excess as first_excess
 from ._screen_py import first_held_free as first_held_free
 from ._screen_py import first_listed as first_listed
@@ -14,6 +16,8 @@ __all__ = (
     "HOLDER_FAULTS",
     "OTHER_POOLS",
     "REPEATS",
+    "Listed",
+    "Table",
     "first_excess",
     "first_held_free",
     "first_listed",

@@ -18,14 +18,17 @@ Deliberate differences, none visible in what a screen returns or raises:
   object at its address.
 """
 
+cimport cython
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Realloc
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE, PyList_SetSlice
 from cpython.sequence cimport PySequence_SetItem
 from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport uintptr_t
 from libc.string cimport memset
 
+import weakref
+from collections import defaultdict
 from weakref import ReferenceType
 
 __all__ = (
@@ -33,6 +36,8 @@ __all__ = (
     "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
+    "Listed",
+    "Table",
     "count",
     "count_one",
     "first_excess",
@@ -356,6 +361,16 @@ def count(object blocks, list pool_blocks, list counts, object step):
 
     A ``block_id`` read that raises AttributeError reads as none; any other exception raises
     through, the blocks before it counted."""
+    _count(blocks, pool_blocks, counts, step)
+
+
+def count_one(object block, list pool_blocks, list counts, object step):
+    """:func:`count` of the one block ``block``; O(1)."""
+    _count_one(block, pool_blocks, counts, step)
+
+
+# count and count_one as C calls, for the tables' lists below, which count at every change.
+cdef int _count(object blocks, list pool_blocks, list counts, object step) except -1:
     cdef Py_ssize_t block_id
     cdef _IdLayout lay
     lay.type = NULL
@@ -363,16 +378,17 @@ def count(object blocks, list pool_blocks, list counts, object step):
         block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
         if block_id >= 0:
             _add(counts, block_id, step)
+    return 0
 
 
-def count_one(object block, list pool_blocks, list counts, object step):
-    """:func:`count` of the one block ``block``; O(1)."""
+cdef int _count_one(object block, list pool_blocks, list counts, object step) except -1:
     cdef Py_ssize_t block_id
     cdef _IdLayout lay
     lay.type = NULL
     block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
     if block_id >= 0:
         _add(counts, block_id, step)
+    return 0
 
 
 def first_under_listed(list blocks, list counts, list pool_blocks):
@@ -624,3 +640,227 @@ def holder_faults(list pool_blocks, list tables, list only=None):
             PyMem_Free(ids)
         PyMem_Free(wanted)
     return found
+
+
+# The holder index's tables and lists, as C types: vLLM reads them several times a request
+# at every step (a request's list by its id, a block by its place), and a Python subclass of
+# dict or list reads its items through a Python-level __getitem__ lookup, about twice a
+# plain read. These inherit dict's and list's own reads; what they add runs only at a change.
+#
+# Cython compiles a call such as list.pop(self, i) or self.update(x) on a list or dict it
+# knows as a call to CPython's own function for an exact list or dict, and for a subclass
+# as a call of the method by name: here, the override that made the call (endless
+# recursion), or a C function that bypasses the override (self[k] = v). So list's and
+# dict's methods are called through these objects, and self's own through an object.
+cdef object _list_pop = list.pop
+cdef object _list_insert = list.insert
+cdef object _list_index = list.index
+cdef object _list_clear = list.clear
+cdef object _list_imul = list.__imul__
+cdef object _list_getitem = list.__getitem__
+cdef object _list_setitem = list.__setitem__
+cdef object _list_delitem = list.__delitem__
+cdef object _dict_get = dict.get
+cdef object _dict_setitem = dict.__setitem__
+cdef object _dict_pop = dict.pop
+cdef object _dict_popitem = dict.popitem
+cdef object _dict_clear = dict.clear
+cdef object _dict_getitem = dict.__getitem__
+cdef object _dict_items = dict.items
+
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void *op)
+
+
+@cython.auto_pickle(False)
+cdef class Listed(list):
+    """A request's blocks in one manager's table: a list that moves its index as it changes
+    (O(1) a block), until it leaves its table (``tally`` None: a list like any other)."""
+
+    cdef public object tally
+
+    def __init__(self, index, blocks=()):
+        PyList_SetSlice(self, 0, PyList_GET_SIZE(self), list(blocks))
+        self.tally = index
+        if index is not None:
+            _count(self, index.blocks, index.counts, 1)
+
+    def __reduce_ex__(self, protocol):
+        # A copy (copy, deepcopy, pickle) is in no table: a plain list.
+        return (list, (list(self),))
+
+    def detach(self):
+        """Out of its table: its blocks are listed no more, and it counts nothing again."""
+        tally = self.tally
+        if tally is not None:
+            _count(self, tally.blocks, tally.counts, -1)
+            self.tally = None
+
+    def append(self, block):
+        PyList_Append(self, block)
+        tally = self.tally
+        if tally is not None:
+            _count_one(block, tally.blocks, tally.counts, 1)
+
+    def extend(self, blocks):
+        blocks = list(blocks)
+        cdef Py_ssize_t end = PyList_GET_SIZE(self)
+        PyList_SetSlice(self, end, end, blocks)
+        tally = self.tally
+        if tally is not None:
+            _count(blocks, tally.blocks, tally.counts, 1)
+
+    def __iadd__(self, blocks):
+        (<object>self).extend(blocks)
+        return self
+
+    def __imul__(self, times):
+        before = list(self)
+        _list_imul(self, times)
+        if self.tally is not None:
+            self.tally.add(before, -1)
+            self.tally.add(self)
+        return self
+
+    def insert(self, where, block):
+        _list_insert(self, where, block)
+        if self.tally is not None:
+            self.tally.add_one(block)
+
+    def pop(self, where=-1):
+        block = _list_pop(self, where)
+        if self.tally is not None:
+            self.tally.add_one(block, -1)
+        return block
+
+    def remove(self, block):
+        # The element list.remove would take (the first equal one), by its place.
+        (<object>self).pop(_list_index(self, block))
+
+    def clear(self):
+        before = list(self)
+        _list_clear(self)
+        if self.tally is not None:
+            self.tally.add(before, -1)
+
+    def __setitem__(self, where, value):
+        before = _list_getitem(self, where)
+        if type(where) is slice:
+            value = list(value)
+            _list_setitem(self, where, value)
+            if self.tally is not None:
+                self.tally.add(before, -1)
+                self.tally.add(value)
+        else:
+            _list_setitem(self, where, value)
+            if self.tally is not None:
+                self.tally.add_one(before, -1)
+                self.tally.add_one(value)
+
+    def __delitem__(self, where):
+        before = _list_getitem(self, where)
+        _list_delitem(self, where)
+        if self.tally is not None:
+            self.tally.add(before if type(where) is slice else [before], -1)
+
+
+cdef object _ABSENT = object()
+
+
+@cython.auto_pickle(False)
+cdef class Table(dict):
+    """One manager's ``req_to_blocks``: a dict whose lists (made as a request is first
+    looked up, as vLLM's ``defaultdict`` makes them) are :class:`Listed` of one index; a
+    list taken out is detached. A list put in by hand is kept as it is, the very object
+    (vLLM's tests hold it), and uncounted: the full read still reads it. ``untracked``: its
+    lists are kept out of the cyclic collector's sight, as vLLM's (0.34+) are."""
+
+    cdef object __weakref__
+    cdef public object manager
+    cdef public object name
+    cdef public object tally
+    cdef public bint untracked
+
+    def __init__(self, index, manager, untracked):
+        self.tally = index
+        self.manager = weakref.ref(manager)
+        self.name = type(manager).__name__
+        self.untracked = untracked
+
+    def __missing__(self, request):
+        listed = Listed(self.tally)
+        if self.untracked:
+            PyObject_GC_UnTrack(<void *>listed)
+        _dict_setitem(self, request, listed)
+        return listed
+
+    def __reduce_ex__(self, protocol):
+        # A copy (copy, deepcopy, pickle) is no manager's table: a plain defaultdict of
+        # plain lists, as vLLM's own would copy.
+        return (_plain, (list(_dict_items(self)),))
+
+    def copy(self):
+        return _plain(list(_dict_items(self)))
+
+    def __copy__(self):
+        return (<object>self).copy()
+
+    def in_place(self):
+        manager = self.manager()
+        return manager is not None and vars(manager).get("req_to_blocks") is self
+
+    def __setitem__(self, request, blocks):
+        if type(blocks) is Listed and blocks.tally is None:  # detached: counted again
+            blocks.tally = self.tally
+            self.tally.add(blocks)
+        old = _dict_get(self, request)
+        _dict_setitem(self, request, blocks)
+        if old is not None and old is not blocks:
+            _detach(old)
+
+    def __delitem__(self, request):
+        old = _dict_pop(self, request)
+        _detach(old)
+
+    def pop(self, request, *default):
+        # One look-up where the request is listed: every finished request's removal.
+        old = _dict_pop(self, request, _ABSENT)
+        if old is _ABSENT:
+            return _dict_pop(self, request, *default)
+        if type(old) is Listed:
+            old.detach()
+        return old
+
+    def popitem(self):
+        request, old = _dict_popitem(self)
+        _detach(old)
+        return request, old
+
+    def clear(self):
+        old = list(dict.values(self))
+        _dict_clear(self)
+        for each in old:
+            _detach(each)
+
+    def setdefault(self, request, default=None):
+        if request not in self:
+            (<object>self)[request] = [] if default is None else default
+        return _dict_getitem(self, request)
+
+    def update(self, *args, **kwargs):
+        for request, blocks in dict(*args, **kwargs).items():
+            (<object>self)[request] = blocks
+
+    def __ior__(self, other):
+        (<object>self).update(other)
+        return self
+
+
+def _plain(items):
+    return defaultdict(list, ((request, list(blocks)) for request, blocks in items))
+
+
+cdef inline int _detach(object blocks) except -1:
+    if type(blocks) is Listed:
+        blocks.detach()
+    return 0

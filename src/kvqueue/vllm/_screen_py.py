@@ -11,11 +11,19 @@ code a block runs (a property, a ``__bool__``) runs alike in both; a list that
 such code changes is screened up to its length at the start, or its current
 length if shorter. A ``ref_cnt`` that is not an int (or an int subclass, read
 by its int value) is a misuse at that block: the guard says what it is.
+
+The holder index's tables and lists (:class:`Table`, :class:`Listed`) are here too, each
+twin's its own: vLLM reads them at every step, and the compiled twin's are C types, whose
+item reads are list's and dict's own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import ctypes
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, SupportsIndex
 from weakref import ReferenceType
 
 from .._block import is_subtype
@@ -25,6 +33,8 @@ __all__ = (
     "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
+    "Listed",
+    "Table",
     "count",
     "count_one",
     "first_excess",
@@ -321,3 +331,217 @@ def holder_faults(
                     entry[4] = True
                     found.append((kind, block))
     return found
+
+
+class Listed(list):  # type: ignore[type-arg]
+    """A request's blocks in one manager's table: a list that moves its index as it changes
+    (O(1) a block), until it leaves its table (``tally`` None: a list like any other)."""
+
+    __slots__ = ("tally",)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Listed:
+        # Made without __init__ (by __new__ alone), a list like any other, as the compiled
+        # twin's, whose fields start as None.
+        made = super().__new__(cls)
+        made.tally = None
+        return made
+
+    def __init__(self, index: Any, blocks: Iterable[Any] = ()) -> None:
+        super().__init__(blocks)
+        self.tally = index
+        if index is not None:
+            count(self, index.blocks, index.counts, 1)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # A copy (copy, deepcopy, pickle) is in no table: a plain list.
+        return (list, (list(self),))
+
+    def detach(self) -> None:
+        """Out of its table: its blocks are listed no more, and it counts nothing again."""
+        tally = self.tally
+        if tally is not None:
+            count(self, tally.blocks, tally.counts, -1)
+            self.tally = None
+
+    def append(self, block: Any) -> None:
+        list.append(self, block)
+        tally = self.tally
+        if tally is not None:
+            count_one(block, tally.blocks, tally.counts, 1)
+
+    def extend(self, blocks: Iterable[Any]) -> None:
+        blocks = list(blocks)
+        list.extend(self, blocks)
+        tally = self.tally
+        if tally is not None:
+            count(blocks, tally.blocks, tally.counts, 1)
+
+    def __iadd__(self, blocks: Iterable[Any]) -> Listed:  # type: ignore[misc]
+        self.extend(blocks)
+        return self
+
+    def __imul__(self, times: SupportsIndex) -> Listed:
+        before = list(self)
+        list.__imul__(self, times)
+        if self.tally is not None:
+            self.tally.add(before, -1)
+            self.tally.add(self)
+        return self
+
+    def insert(self, where: SupportsIndex, block: Any) -> None:
+        list.insert(self, where, block)
+        if self.tally is not None:
+            self.tally.add_one(block)
+
+    def pop(self, where: SupportsIndex = -1) -> Any:
+        block = list.pop(self, where)
+        if self.tally is not None:
+            self.tally.add_one(block, -1)
+        return block
+
+    def remove(self, block: Any) -> None:
+        # The element list.remove would take (the first equal one), by its place.
+        self.pop(list.index(self, block))
+
+    def clear(self) -> None:
+        before = list(self)
+        list.clear(self)
+        if self.tally is not None:
+            self.tally.add(before, -1)
+
+    def __setitem__(self, where: Any, value: Any) -> None:
+        before = list.__getitem__(self, where)
+        if type(where) is slice:
+            value = list(value)
+            list.__setitem__(self, where, value)
+            if self.tally is not None:
+                self.tally.add(before, -1)
+                self.tally.add(value)
+        else:
+            list.__setitem__(self, where, value)
+            if self.tally is not None:
+                self.tally.add_one(before, -1)
+                self.tally.add_one(value)
+
+    def __delitem__(self, where: Any) -> None:
+        before = list.__getitem__(self, where)
+        list.__delitem__(self, where)
+        if self.tally is not None:
+            self.tally.add(before if type(where) is slice else [before], -1)
+
+
+_ABSENT: Any = object()
+
+
+class Table(dict):  # type: ignore[type-arg]
+    """One manager's ``req_to_blocks``: a dict whose lists (made as a request is first
+    looked up, as vLLM's ``defaultdict`` makes them) are :class:`Listed` of one index; a
+    list taken out is detached. A list put in by hand is kept as it is, the very object
+    (vLLM's tests hold it), and uncounted: the full read still reads it. ``untracked``: its
+    lists are kept out of the cyclic collector's sight, as vLLM's (0.34+) are."""
+
+    __slots__ = ("__weakref__", "manager", "name", "tally", "untracked")
+    manager: Any  # a weak reference to the manager (None: made without __init__)
+    name: str | None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Table:
+        made = super().__new__(cls)
+        made.manager = made.name = made.tally = None
+        made.untracked = False
+        return made
+
+    def __init__(self, index: Any, manager: Any, untracked: bool) -> None:
+        super().__init__()
+        self.tally = index
+        self.manager = weakref.ref(manager)
+        self.name = type(manager).__name__
+        self.untracked = untracked and _untrack is not None
+
+    def __missing__(self, request: Any) -> Listed:
+        listed = Listed(self.tally)
+        if self.untracked:
+            _untrack(listed)
+        dict.__setitem__(self, request, listed)
+        return listed
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # A copy (copy, deepcopy, pickle) is no manager's table: a plain defaultdict of
+        # plain lists, as vLLM's own would copy.
+        return (_plain, (list(dict.items(self)),))
+
+    def copy(self) -> defaultdict[Any, Any]:
+        return _plain(list(dict.items(self)))
+
+    def __copy__(self) -> defaultdict[Any, Any]:
+        return self.copy()
+
+    def in_place(self) -> bool:
+        manager = self.manager()
+        return manager is not None and vars(manager).get("req_to_blocks") is self
+
+    def __setitem__(self, request: Any, blocks: Any) -> None:
+        if type(blocks) is Listed and blocks.tally is None:  # detached: counted again
+            blocks.tally = self.tally
+            self.tally.add(blocks)
+        old = dict.get(self, request)
+        dict.__setitem__(self, request, blocks)
+        if old is not None and old is not blocks:
+            _detach(old)
+
+    def __delitem__(self, request: Any) -> None:
+        old = dict.pop(self, request)
+        _detach(old)
+
+    def pop(self, request: Any, *default: Any) -> Any:
+        # One look-up where the request is listed: every finished request's removal.
+        old = dict.pop(self, request, _ABSENT)
+        if old is _ABSENT:
+            return dict.pop(self, request, *default)
+        if type(old) is Listed:
+            old.detach()
+        return old
+
+    def popitem(self) -> tuple[Any, Any]:
+        request, old = dict.popitem(self)
+        _detach(old)
+        return request, old
+
+    def clear(self) -> None:
+        old = list(self.values())
+        dict.clear(self)
+        for each in old:
+            _detach(each)
+
+    def setdefault(self, request: Any, default: Any = None) -> Any:
+        if request not in self:
+            self[request] = [] if default is None else default
+        return dict.__getitem__(self, request)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for request, blocks in dict(*args, **kwargs).items():
+            self[request] = blocks
+
+    def __ior__(self, other: Any) -> Table:  # type: ignore[misc]
+        self.update(other)
+        return self
+
+
+# vLLM (0.34+) keeps its tables' lists out of the cyclic collector's sight, so that a
+# collection does not visit every block of every request; a list kvqueue makes in their
+# place is kept out likewise. A Listed refers to blocks and to its index, neither of which
+# refers back to it: it can be in no cycle.
+# Only CPython's C API can untrack (PyPy's ctypes has no pythonapi): elsewhere a list kvqueue
+# makes stays tracked, which costs a collection time, never a block.
+_untrack: Any = getattr(getattr(ctypes, "pythonapi", None), "PyObject_GC_UnTrack", None)
+if _untrack is not None:
+    _untrack.argtypes = (ctypes.py_object,)
+    _untrack.restype = None
+
+
+def _plain(items: list[tuple[Any, Any]]) -> defaultdict[Any, Any]:
+    return defaultdict(list, ((request, list(blocks)) for request, blocks in items))
+
+
+def _detach(blocks: Any) -> None:
+    if type(blocks) is Listed:
+        blocks.detach()
