@@ -286,8 +286,12 @@ def test_a_change_out_of_sight_is_found_by_a_recount(managers: type) -> None:
     assert index.live() == []
 
 
+# Fields, not methods: the pure twin's are slots, the compiled twin's C fields.
+_FIELDS = frozenset(("manager", "name", "tally", "untracked"))
+
+
 def _methods(cls: type) -> set[str]:
-    return {name for name in vars(cls) if not name.startswith("_")}
+    return {name for name in vars(cls) if not name.startswith("_")} - _FIELDS
 
 
 @pytest.mark.cython
@@ -296,12 +300,7 @@ def test_both_twins_make_the_same_tables() -> None:
 
     for name in ("Table", "Listed"):
         pure, compiled = getattr(_screen_py, name), getattr(_screen, name)
-        assert _methods(pure) - {"manager", "name", "tally", "untracked"} == _methods(compiled) - {
-            "manager",
-            "name",
-            "tally",
-            "untracked",
-        }
+        assert _methods(pure) == _methods(compiled)
         assert compiled.__mro__[1] is pure.__mro__[1]  # dict, list: their reads are theirs
         # The compiled twin's docstrings open with the signature (embedsignature).
         for said, compiled_said in [
@@ -351,6 +350,40 @@ def test_a_table_used_out_of_order_answers_alike_in_both_twins(call: int) -> Non
 
     pure, compiled = (_answer(screen, _HOSTILE[call]) for screen in (_screen_py, _screen))
     assert pure == compiled
+
+
+class _Meddling:
+    """A block whose ``block_id`` read, the first time, changes the very list that is
+    counting it (empties it, takes it out of its table) and swaps its index's counts."""
+
+    def __init__(self, block_id: int) -> None:
+        self.id, self.victim = block_id, None
+
+    @property
+    def block_id(self) -> int:
+        listed, self.victim = self.victim, None
+        if listed is not None:
+            tally = listed.tally
+            listed.clear()
+            listed.detach()
+            tally.counts = [0] * len(tally.counts)
+        return self.id
+
+
+def _meddled(screen: ModuleType) -> Any:
+    blocks = [_Meddling(i) for i in range(4)]
+    index = _index.Index(blocks, screen)
+    listed = screen.Listed(index, blocks[:2])
+    blocks[3].victim = listed
+    outcome = _answer(screen, lambda _: listed.append(blocks[3]))  # its count meddles
+    return outcome, [block.id for block in listed], listed.tally, index.counts
+
+
+@pytest.mark.cython
+def test_a_block_that_changes_its_list_while_counted_is_met_alike() -> None:
+    from kvqueue.vllm import _screen
+
+    assert _meddled(_screen_py) == _meddled(_screen)
 
 
 def test_tables_churned_leave_memory_flat(managers: type) -> None:
