@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 def run(script: str, args: list[str], home: Path, timeout: int, **env: str) -> dict[str, Any]:
     """The JSON object ``script`` (a file of this folder) prints last, run with ``args`` and
     ``env`` on the installed line, its hub cache written to ``home``; the script's exit status
-    and the tail of its errors are asserted."""
+    and the tail of its errors are asserted, and that none was ignored."""
     line = find(version("vllm"))
     assert line is not None, f"vLLM {version('vllm')} is not a line kvqueue accepts"
     root = sdist.tests_root(line.release)
@@ -53,5 +53,8 @@ def run(script: str, args: list[str], home: Path, timeout: int, **env: str) -> d
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    # Nothing of kvqueue's may fail where no caller sees it: a weak reference's callback, a
+    # finalizer at the interpreter's exit.
+    assert "Exception ignored" not in done.stderr, done.stderr[-4000:]
     found: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return found

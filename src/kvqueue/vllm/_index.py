@@ -153,9 +153,11 @@ def _keep(pool: Any, index: Index) -> bool:
     """Make ``index`` ``pool``'s; False for a pool no weak reference can name (it has none)."""
     key = id(pool)
 
-    def forget(ref: weakref.ref[Any]) -> None:
-        if INDEXES.get(key, (None,))[0] is ref:
-            del INDEXES[key]
+    # The table bound here: a pool that outlives the module (freed at the interpreter's exit,
+    # after its globals are cleared) still finds it.
+    def forget(ref: weakref.ref[Any], indexes: dict[int, Any] = INDEXES) -> None:
+        if indexes.get(key, (None,))[0] is ref:
+            del indexes[key]
 
     try:
         INDEXES[key] = (weakref.ref(pool, forget), index)

@@ -142,9 +142,11 @@ def _ours(found: object) -> _Guard | None:
 def _register(function: Callable[..., Any], made: _Guard) -> None:
     key = id(function)
 
-    def forget(ref: weakref.ref[Callable[..., Any]]) -> None:
-        if _made.get(key, (None,))[0] is ref:
-            del _made[key]
+    # The registry bound here: a guard freed at the interpreter's exit, after this module's
+    # globals are cleared, still finds it.
+    def forget(ref: weakref.ref[Callable[..., Any]], made_here: dict[int, Any] = _made) -> None:
+        if made_here.get(key, (None,))[0] is ref:
+            del made_here[key]
 
     _made[key] = (weakref.ref(function, forget), made)
 
