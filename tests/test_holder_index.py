@@ -13,6 +13,7 @@ import gc
 import inspect
 import pickle
 import random
+import sys
 import tracemalloc
 from collections import defaultdict
 from collections.abc import Iterator
@@ -430,6 +431,22 @@ def exit_pool(queue_mod: ModuleType, policy: str, entry: bool = False) -> Iterat
 def guarded_exit(queue_mod: ModuleType, request: pytest.FixtureRequest) -> Iterator[Any]:
     for pool, manager in exit_pool(queue_mod, request.param):
         yield request.param, pool, manager
+
+
+@pytest.mark.parametrize("entry", [True, False], ids=["door", "no-door"])
+def test_a_free_is_kept_with_its_caller_and_read_again_only_unchecked(
+    queue_mod: ModuleType, entry: bool
+) -> None:
+    """A free the holder index checked (the free list's entry is kvqueue's) is named by its
+    caller's file and line, and not read again by the audit; one it did not check is."""
+    for pool, _manager in exit_pool(queue_mod, "raise", entry=entry):
+        blocks = pool.get_new_blocks(2)
+        made = _report.frees_made()
+        line = sys._getframe().f_lineno + 1
+        pool.free_blocks(blocks)
+        site = f"tests/test_holder_index.py:{line} in test_a_free_is_kept_with_its_caller_and"
+        assert (_report.last_freed(blocks[1]) or "").endswith(site + "_read_again_only_unchecked")
+        assert _report.frees_made() == made + (not entry)
 
 
 def unguarded_release(pool: Any, block: Any) -> None:

@@ -248,6 +248,35 @@ def test_a_class_changed_during_a_screen_is_read_as_changed(screen: ModuleType) 
         delattr(Slotted, "ref_cnt")
 
 
+def test_a_class_changed_between_calls_is_read_as_changed(screen: ModuleType) -> None:
+    """The compiled twin keeps the last class's layout from call to call: a class changed
+    since (a slot turned into a property) is read as it is now, by every screen and count."""
+
+    class Identified(SlottedBlock):
+        __slots__ = ("block_id",)
+
+    class Slotted(Identified):  # its fields shadowed, then its base's again
+        __slots__ = ()
+
+    head, block = Slotted(0), Slotted(0)
+    head.next_free_block, block.block_id = block, 0
+    counts = [0]
+    assert screen.first_held_free(head, 1) is None
+    screen.count_one(block, [block], counts, 1)
+    try:
+        Slotted.ref_cnt = property(lambda self: 1)
+        Slotted.block_id = property(lambda self: 5)
+        assert screen.first_held_free(head, 1) is block
+        assert screen.first_negative([block], None) == -1
+        screen.count_one(block, [block], counts, 1)  # block 5 is none of the pool's
+        assert counts == [1]
+    finally:
+        del Slotted.ref_cnt, Slotted.block_id
+    assert screen.first_held_free(head, 1) is None
+    screen.count_one(block, [block], counts, 1)
+    assert counts == [2]
+
+
 def test_an_unset_slot_raises_as_getattr_does(screen: ModuleType) -> None:
     block = SlottedBlock(1)
     del block.ref_cnt

@@ -48,8 +48,8 @@ from . import _index, _registry, _report, _rules
 
 __all__ = ("audit_holders", "enter", "hand_out", "release", "touch_listed")
 
-# Per KVCacheManager: the guarded frees made when it was last audited, and the steps since
-# its last full audit.
+# Per KVCacheManager: the guarded frees no index checked, made when it was last audited, and the
+# steps since its last full audit.
 _places: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 # Holders named in a message, at most.
 _SHOWN = 4
@@ -67,13 +67,14 @@ def audit_holders(
     listed block is held; else raises or repairs as the pool's policy says.
 
     Every ``every`` steps (never for 0; always at a manager's first) every listing is read,
-    O(listed blocks), and the holder index checked against them; at the steps between, the blocks a
-    guarded free released since the last audit are looked up in the index, O(blocks freed),
-    and the listings read only when one is listed and free or under-counted (where the
-    pool has no index, only those blocks' listings are read, every other compared by
-    address); not at all when nothing was freed: a free that releases a reference a live
-    request holds is found at the next step either way. An audit that raises reads the
-    same frees again at the next call.
+    O(listed blocks), and the holder index checked against them; at the steps between, the blocks
+    released since the last audit by guarded frees that no index checked as they released
+    (a pool without one, HiSparse's unpins) are looked up in the index, O(blocks freed), and
+    the listings read only when one is listed and free or under-counted (where the pool has
+    no index, only those blocks' listings are read, every other compared by address); not at
+    all when there are none: a free that releases a reference a live request holds is found
+    at that free or at the next step. An audit that raises reads the same frees again at the
+    next call.
 
     Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
     ``ref_cnt`` that is no integer.
@@ -387,7 +388,7 @@ def release(
 
     A manager of the pool that frees a block it still lists is let through: vLLM's mamba
     manager frees a state block and lists the null block in its place just after. Such a
-    block, if it stays listed, is met at the free list's exit and by the next full read.
+    block, if it stays listed, is met by the next audit and at the free list's exit.
     """
     given: dict[int, int] = {}
     order: list[Any] = []
@@ -404,8 +405,12 @@ def release(
         refs = _rules.ref_count(pool, method, block)
         if refs - given[id(block)] < (index.listings(block) or 0):
             below.append((block, refs))
-    # The manager first, in O(1): a mamba model's every state block freed comes here.
-    if not below or _by_manager(index):
+    if not below:
+        return blocks
+    # The manager first, in O(1): a mamba model's every state block freed comes here. What it
+    # lets through is read again by the next audit, as a free no index checked.
+    if _by_manager(index):
+        _report.unchecked(blocks)
         return blocks
     faults: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]], int]] = []
     for block, refs in below:

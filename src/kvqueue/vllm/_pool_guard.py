@@ -281,10 +281,17 @@ def _binds(made: _Guard, pool: Any, first: Any, args: tuple[Any, ...], kwargs: A
     return True
 
 
-def _adapter(made: _Guard, line: Any, rule: Rule) -> Callable[..., Any]:
+def _adapter(
+    made: _Guard,
+    line: Any,
+    rule: Rule,
+    passing: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> Callable[..., Any]:
     """The guard of one method: its first argument bound by position or by the line's name
     for it, and handed to ``rule`` (the screen, then vLLM's method or the slow path). A call
-    vLLM's method would refuse (no first argument, or it twice) goes to vLLM as it is."""
+    vLLM's method would refuse (no first argument, or it twice) goes to vLLM as it is.
+    ``passing``: the twin's guard of the path vLLM takes, made over this one, which it calls
+    for every other."""
     original = made.original
     parameter = _parameter(line, made.name)
 
@@ -297,7 +304,7 @@ def _adapter(made: _Guard, line: Any, rule: Rule) -> Callable[..., Any]:
             return original(self, first, *args, **kwargs)
         return rule(self, first, args, kwargs)
 
-    return _wrapped(made, guarded)
+    return _wrapped(made, guarded if passing is None else passing(guarded))
 
 
 def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
@@ -337,19 +344,28 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         # vLLM iterates its argument once; a list made here is what it iterates,
         # so what was screened is what is freed.
         blocks = list(blocks)
-        freed(blocks)
         door = getattr(self.free_block_queue, "gate", None)
         if type(door) is not _Door:
+            freed(blocks)
             return screened(self, blocks, args, kwargs, None)
         # A free screened here passes the free list's entry: its releases are checked here
-        # against the holder index, before vLLM's method moves a count.
+        # against the holder index, before vLLM's method moves a count (so the audit need not
+        # read them again).
+        freed(blocks, releases)
         door.freeing += 1
         try:
             return screened(self, blocks, args, kwargs, door.index if releases else None)
         finally:
             door.freeing -= 1
 
-    return _adapter(made, line, free)
+    def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
+        guards: Any = made.screen
+        made_here: Callable[..., Any] = guards.free_guard(
+            original, slow, _Door, freed, own, weak, releases
+        )
+        return made_here
+
+    return _adapter(made, line, free, passing)
 
 
 class _Door:
@@ -441,7 +457,14 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             lambda call: _rules.touch(self, blocks, i, line, made.policy, call),
         )
 
-    return _adapter(made, line, touch)
+    def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
+        guards: Any = made.screen
+        made_here: Callable[..., Any] = guards.touch_guard(
+            original, slow, _index.INDEXES, own, weak
+        )
+        return made_here
+
+    return _adapter(made, line, touch, passing)
 
 
 def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
@@ -492,7 +515,11 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
                 )
         return original(self, num_blocks, *args, **kwargs)
 
-    return _adapter(made, line, alloc)
+    def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
+        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes)
+        return made_here
+
+    return _adapter(made, line, alloc, passing)
 
 
 def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:

@@ -41,6 +41,7 @@ __all__ = (
     "recent_frees",
     "repaired",
     "then_log",
+    "unchecked",
     "where",
 )
 
@@ -58,12 +59,17 @@ _events: dict[tuple[str, str, str], int] = {}
 _watcher: list[Callable[[str, str, str, int], None]] = []
 _REBUILT = ("rebuilt", _registry.AUDIT_HOOK, "index_stale")
 
-# The last frees the guard passed, newest last: (the blocks, the caller's code and line).
+# The last frees the guard passed, newest last: (the blocks, the caller's code and the byte
+# offset of its call).
 # The audit names the one that last released a block it finds shared; a step frees far
 # fewer batches than this.
 _FREES = 4096
 _frees: collections.deque[tuple[list[Any], Any, int]] = collections.deque(maxlen=_FREES)
-_freed_total = [0]
+# Of those, the blocks of the frees no holder index checked as they released (a pool without
+# one, HiSparse's unpins): what the audit reads between its full reads. A free the index
+# checked left no block it released listed and free, or under-counted.
+_unchecked: collections.deque[list[Any]] = collections.deque(maxlen=_FREES)
+_unchecked_total = [0]
 # kvqueue's own: the guard, its rules, the audit, this module and the queue's pure twin calling
 # its gate, the frames between a checked call and the code that made it.
 _PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
@@ -178,41 +184,66 @@ def log_notes(notes: list[Note]) -> None:
         )
 
 
-def freed(blocks: list[Any]) -> None:
-    """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`. Called by the
-    free guard alone: the two frames above this one are the guard's. O(kvqueue's frames)."""
+def freed(blocks: list[Any], checked: bool = False, depth: int = _FREE_DEPTH) -> None:
+    """Keep a guarded free of ``blocks`` and its caller, for :func:`last_freed`, and, unless the
+    holder index ``checked`` its releases, for :func:`recent_frees`. Called by the free guard
+    alone: the ``depth - 1`` frames above this one are the guard's. O(kvqueue's frames)."""
     # The walk starts at the guard's caller: each frame object caller() would step through is
     # made on the way (the interpreter makes them only when asked), a cost at every free.
     try:
-        frame = _outside(sys._getframe(_FREE_DEPTH))
+        frame = sys._getframe(depth)
     except ValueError:  # the guard's caller is no Python code
         frame = None
+    # _outside, inlined: this runs at every free.
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
     if frame is None:  # no Python code called it (a thread's target)
         _frees.append((blocks, None, 0))
     else:
-        _frees.append((blocks, frame.f_code, frame.f_lineno))
-    _freed_total[0] += 1
+        # Its place, not its line: a line is found by a walk of the code's line table, which
+        # only a message needs (_line).
+        _frees.append((blocks, frame.f_code, frame.f_lasti))
+    if not checked:
+        unchecked(blocks)
+
+
+def unchecked(blocks: list[Any]) -> None:
+    """Keep ``blocks``, released by a guarded free, for the audit's next read
+    (:func:`recent_frees`)."""
+    _unchecked.append(blocks)
+    _unchecked_total[0] += 1
 
 
 def frees_made() -> int:
-    """How many guarded frees this process made: the audit keeps its place by it."""
-    return _freed_total[0]
+    """How many guarded frees this process made that no holder index checked: the audit
+    keeps its place by it."""
+    return _unchecked_total[0]
 
 
 def recent_frees(n: int) -> list[list[Any]] | None:
-    """The blocks of the last ``n`` guarded frees, newest first, or None if fewer are kept;
-    O(n): read from the newest end, not past the older ones."""
-    if n > len(_frees):
+    """The blocks of the last ``n`` guarded frees no holder index checked, newest first, or
+    None if fewer are kept; O(n): read from the newest end, not past the older ones."""
+    if n > len(_unchecked):
         return None
-    return [entry[0] for entry in itertools.islice(reversed(_frees), n)]
+    return list(itertools.islice(reversed(_unchecked), n))
 
 
 def last_freed(block: object) -> str | None:
     """Where the last guarded free of ``block`` that is still kept was called, or None."""
-    for blocks, code, line in reversed(_frees):
+    for blocks, code, place in reversed(_frees):
         if any(found is block for found in blocks):
-            return "unknown" if code is None else _site(code.co_filename, line, code.co_name)
+            if code is None:
+                return "unknown"
+            return _site(code.co_filename, _line(code, place), code.co_name)
     return None
+
+
+def _line(code: Any, place: int) -> int:
+    """The line of the instruction at byte ``place`` of ``code`` (as ``f_lineno`` has it)."""
+    for start, end, line in code.co_lines():
+        if start <= place < end and line is not None:
+            return int(line)
+    return int(code.co_firstlineno)
 
 
 def named(block: Any) -> str:

@@ -19,6 +19,16 @@ static Py_ssize_t kvs_slot(PyTypeObject *tp, PyObject *name)
     return kv_member_offset(tp, name, 0);
 }
 
+/* `tp`'s version tag, or 0 when it has no valid one. CPython changes it whenever `tp` or
+   a base is modified, and never hands a freed class's tag to another. */
+static inline unsigned int kvs_version(PyTypeObject *tp)
+{
+#ifdef Py_TPFLAGS_VALID_VERSION_TAG
+    if (!(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) return 0;
+#endif
+    return tp->tp_version_tag;
+}
+
 /* The slot's value, borrowed; NULL when it was never set or was deleted. */
 #define KVS_SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 

@@ -4,13 +4,16 @@ from ._screen_py import OTHER_POOLS as OTHER_POOLS
 from ._screen_py import REPEATS as REPEATS
 from ._screen_py import Listed as Listed
 from ._screen_py import Table as Table
+from ._screen_py import alloc_guard as alloc_guard
 from ._screen_py import first_excess as first_excess
 from ._screen_py import first_held_free as first_held_free
 from ._screen_py import first_listed as first_listed
 from ._screen_py import first_listed_free as first_listed_free
 from ._screen_py import first_negative as first_negative
 from ._screen_py import first_under_listed as first_under_listed
+from ._screen_py import free_guard as free_guard
 from ._screen_py import holder_faults as holder_faults
+from ._screen_py import touch_guard as touch_guard
 
 __all__ = (
     "HOLDER_FAULTS",
@@ -18,11 +21,14 @@ __all__ = (
     "REPEATS",
     "Listed",
     "Table",
+    "alloc_guard",
     "first_excess",
     "first_held_free",
     "first_listed",
     "first_listed_free",
     "first_negative",
     "first_under_listed",
+    "free_guard",
     "holder_faults",
+    "touch_guard",
 )

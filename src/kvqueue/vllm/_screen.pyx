@@ -8,7 +8,8 @@ Deliberate differences, none visible in what a screen returns or raises:
   (``_screen.h``), where no Python code runs. Any other field, and a slot never set, is
   read with ``getattr`` as the pure twin reads it; since that may run code that changes a
   class or a block's ``__class__``, the layout is learned again after it (``_Layout``),
-  and whenever a block's type is not the one learned.
+  and whenever a block's type is not the one learned. The last class's layout is kept
+  from call to call under its version tag, which CPython changes with the class.
 * ``first_excess`` keys the references it has counted in a small open-addressing table
   of block addresses instead of a dict of ``id()``s (no int object per block, one
   allocation per call): with the dict it took several times as long, measured side by
@@ -38,6 +39,7 @@ __all__ = (
     "REPEATS",
     "Listed",
     "Table",
+    "alloc_guard",
     "count",
     "count_one",
     "first_excess",
@@ -46,8 +48,10 @@ __all__ = (
     "first_listed_free",
     "first_negative",
     "first_under_listed",
+    "free_guard",
     "holder_faults",
     "suspects",
+    "touch_guard",
 )
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
@@ -73,6 +77,7 @@ cdef enum:
 
 cdef extern from "_screen.h":
     Py_ssize_t kvs_slot(PyTypeObject *tp, object name)
+    unsigned int kvs_version(PyTypeObject *tp)
     PyObject *KVS_SLOT(PyObject *o, Py_ssize_t off)
     bint kvs_count(PyObject *v, Py_ssize_t *out)
 
@@ -95,10 +100,24 @@ cdef struct _Layout:
     Py_ssize_t off[_FIELDS]
 
 
+# The last class learned, kept between calls by its version tag (0: none): CPython gives a
+# class another tag whenever it or a base changes, and never gives a freed class's tag to
+# another, so a layout kept under a tag is the class's as it is. Each call would otherwise
+# look its six fields up again, a cost larger than a one-block screen's reads.
+cdef _Layout _last
+cdef unsigned int _last_version = 0
+_last.type = NULL
+
+
 # Out of line: it runs once per class met in a call, and inlined into _field it would keep
 # _field itself, which runs at every read, from being inlined.
 cdef void _learn(_Layout *lay, object block):
+    global _last, _last_version
     cdef PyTypeObject *tp = Py_TYPE(block)
+    cdef unsigned int version = kvs_version(tp)
+    if version != 0 and tp == _last.type and version == _last_version:
+        lay[0] = _last
+        return
     lay.type = tp
     lay.off[_POOL] = kvs_slot(tp, "pool")
     lay.off[_IS_NULL] = kvs_slot(tp, "is_null")
@@ -106,6 +125,11 @@ cdef void _learn(_Layout *lay, object block):
     lay.off[_PREV] = kvs_slot(tp, "prev_free_block")
     lay.off[_NEXT] = kvs_slot(tp, "next_free_block")
     lay.off[_BLOCK_ID] = kvs_slot(tp, "block_id")
+    # The look-ups above give the class a tag if it had none.
+    version = kvs_version(tp)
+    if version != 0:
+        _last = lay[0]
+        _last_version = version
 
 
 cdef inline object _field(
@@ -218,6 +242,11 @@ def first_excess(list blocks, object pool):
 def first_negative(list blocks, object pool):
     """The index of the first block of ``pool`` (null aside; ``pool`` None: any block)
     whose ``ref_cnt`` is negative or no int, or -1."""
+    return _first_negative(blocks, pool)
+
+
+# The screens the guards below call, as C calls.
+cdef Py_ssize_t _first_negative(list blocks, object pool) except -2:
     cdef Py_ssize_t i = 0, refs
     cdef Py_ssize_t n = len(blocks)
     cdef object block
@@ -255,6 +284,10 @@ def first_listed_free(list blocks, list counts, list pool_blocks):
     ``touch`` reads it) while a live request lists it (``counts[block_id]`` not 0, the holder
     index's, and the block is ``pool_blocks[block_id]``), null blocks aside, or -1;
     O(len(blocks))."""
+    return _first_listed_free(blocks, counts, pool_blocks)
+
+
+cdef Py_ssize_t _first_listed_free(list blocks, list counts, list pool_blocks) except -2:
     cdef Py_ssize_t i = 0, refs
     cdef Py_ssize_t n = len(blocks)
     cdef object block
@@ -275,6 +308,10 @@ def first_held_free(object head, Py_ssize_t n):
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
     whose ``ref_cnt`` is not 0 (or no int), or None; O(n). A link that is None ends
     the walk."""
+    return _first_held_free(head, n)
+
+
+cdef object _first_held_free(object head, Py_ssize_t n):
     cdef object block = head
     cdef Py_ssize_t refs
     cdef _Layout lay
@@ -295,6 +332,10 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel) that a
     live request lists (``counts[block_id]`` not 0, the holder index's, and the block is
     ``pool_blocks[block_id]``), or None; O(n). A link that is None ends the walk."""
+    return _first_listed(head, n, counts, pool_blocks)
+
+
+cdef object _first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
     cdef object block = head
     cdef _Layout lay
     lay.type = NULL
@@ -307,6 +348,103 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
     return None
 
 
+# Not a value a caller passes: a call without the first argument.
+cdef object _MISSING = object()
+
+
+def alloc_guard(object original, object slow, dict indexes):
+    """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
+    int exactly, whose blocks :func:`first_held_free` and :func:`first_listed` (against the
+    pool's holder index in ``indexes``: ``id(pool)`` -> (weak reference, index)) pass, goes to
+    vLLM's ``original`` as it is; every other call goes to ``slow`` (the guard in full, which
+    screens again and says what it finds). O(blocks asked for)."""
+
+    def get_new_blocks(self, num_blocks=_MISSING, /, *args, **kwargs):
+        if type(num_blocks) is not int or args or kwargs:
+            if num_blocks is _MISSING:
+                return slow(self, *args, **kwargs)
+            return slow(self, num_blocks, *args, **kwargs)
+        queue = self.free_block_queue
+        # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
+        if 0 < num_blocks <= queue.num_free_blocks:
+            head = queue.fake_free_list_head
+            if _first_held_free(head, num_blocks) is not None:
+                return slow(self, num_blocks)
+            # The free list's exit: a block a live request lists is never handed out.
+            entry = indexes.get(id(self))
+            if entry is not None and entry[0]() is self:
+                held = entry[1]
+                if _first_listed(head, num_blocks, held.counts, held.blocks) is not None:
+                    return slow(self, num_blocks)
+        return original(self, num_blocks)
+
+    return get_new_blocks
+
+
+def free_guard(
+    object original, object slow, type door_type, object freed, bint own, bint weak,
+    bint releases,
+):
+    """``free_blocks`` or ``unpin_blocks`` guarded on the path vLLM takes: blocks given by
+    position alone (iterated once, into a list, which is what vLLM is given) to a pool whose
+    queue's ``gate`` is a ``door_type`` (the free list's entry, with the holder index), that
+    :func:`first_excess` and (``releases``) :func:`first_under_listed` pass: the free is kept
+    (``freed(blocks, releases, depth)``), and vLLM's ``original`` runs with the door open to
+    it. Every other call goes to ``slow`` (the guard in full) with that list. ``own``, ``weak``:
+    as :func:`touch_guard`'s. O(len(blocks))."""
+
+    def free_blocks(self, blocks=_MISSING, /, *args, **kwargs):
+        if blocks is _MISSING:
+            return slow(self, *args, **kwargs)
+        if args or kwargs:
+            return slow(self, blocks, *args, **kwargs)
+        blocks = list(blocks)
+        door = getattr(self.free_block_queue, "gate", None)
+        if type(door) is not door_type:
+            return slow(self, blocks)
+        if first_excess(blocks, self._weak_self if weak else self if own else None) != -1:
+            return slow(self, blocks)
+        if releases:
+            held = door.index
+            if first_under_listed(blocks, held.counts, held.blocks) >= 0:
+                return slow(self, blocks)
+        freed(blocks, releases, 1)  # no frame of this one's: the caller's
+        door.freeing += 1
+        try:
+            return original(self, blocks)
+        finally:
+            door.freeing -= 1
+
+    return free_blocks
+
+
+def touch_guard(object original, object slow, dict indexes, bint own, bint weak):
+    """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
+    once, into a list, which is what vLLM is given) that :func:`first_negative` and
+    :func:`first_listed_free` pass go to vLLM's ``original``; every other call goes to
+    ``slow`` (the guard in full) with that list. ``own``: the blocks name their pool (vLLM
+    0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+). O(len(blocks))."""
+
+    def touch(self, blocks=_MISSING, /, *args, **kwargs):
+        if blocks is _MISSING:
+            return slow(self, *args, **kwargs)
+        if args or kwargs:
+            return slow(self, blocks, *args, **kwargs)
+        blocks = list(blocks)
+        if _first_negative(blocks, self._weak_self if weak else self if own else None) < 0:
+            # A prefix hit takes a block out of the free list's middle: not one a live
+            # request lists.
+            entry = indexes.get(id(self))
+            if entry is None or entry[0]() is not self:
+                return original(self, blocks)
+            held = entry[1]
+            if _first_listed_free(blocks, held.counts, held.blocks) < 0:
+                return original(self, blocks)
+        return slow(self, blocks)
+
+    return touch
+
+
 # Where one block class keeps its block_id, for the counts, which read no other field: the
 # one lookup in the class, not _learn's six, at each call (most move one block or a few).
 cdef struct _IdLayout:
@@ -314,12 +452,32 @@ cdef struct _IdLayout:
     Py_ssize_t off
 
 
+# The last class whose block_id was looked up, kept as _last is.
+cdef _IdLayout _last_id
+cdef unsigned int _last_id_version = 0
+_last_id.type = NULL
+
+
+cdef void _learn_id(_IdLayout *lay, object block):
+    global _last_id, _last_id_version
+    cdef PyTypeObject *tp = Py_TYPE(block)
+    cdef unsigned int version = kvs_version(tp)
+    if version != 0 and tp == _last_id.type and version == _last_id_version:
+        lay[0] = _last_id
+        return
+    lay.type = tp
+    lay.off = kvs_slot(tp, "block_id")
+    version = kvs_version(tp)
+    if version != 0:
+        _last_id = lay[0]
+        _last_id_version = version
+
+
 cdef inline object _id_only(object block, _IdLayout *lay):
     """``getattr(block, "block_id", None)``, from the slot when the block's class has one."""
     cdef PyObject *value
     if Py_TYPE(block) != lay.type:
-        lay.type = Py_TYPE(block)
-        lay.off = kvs_slot(lay.type, "block_id")
+        _learn_id(lay, block)
     if lay.off >= 0:
         value = KVS_SLOT(<PyObject *>block, lay.off)
         if value is not NULL:

@@ -14,7 +14,9 @@ by its int value) is a misuse at that block: the guard says what it is.
 
 The holder index's tables and lists (:class:`Table`, :class:`Listed`) are here too, each
 twin's its own: vLLM reads them at every step, and the compiled twin's are C types, whose
-item reads are list's and dict's own.
+item reads are list's and dict's own. So are the guards' passing paths (:func:`alloc_guard`,
+:func:`touch_guard`, :func:`free_guard`): vLLM calls them several times a step, and the
+compiled twin's run no Python frame.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = (
     "REPEATS",
     "Listed",
     "Table",
+    "alloc_guard",
     "count",
     "count_one",
     "first_excess",
@@ -43,8 +46,10 @@ __all__ = (
     "first_listed_free",
     "first_negative",
     "first_under_listed",
+    "free_guard",
     "holder_faults",
     "suspects",
+    "touch_guard",
 )
 
 #: What ``first_excess`` found besides no misuse, as ``-1 - flags``: blocks of other
@@ -169,6 +174,102 @@ def first_listed(head: Any, n: int, counts: list[int], pool_blocks: list[Any]) -
         if _listed(block, counts, pool_blocks):
             return block
     return None
+
+
+# Not a value a caller passes: a call without the first argument.
+_MISSING: Any = object()
+
+
+def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
+    """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
+    int exactly, whose blocks :func:`first_held_free` and :func:`first_listed` (against the
+    pool's holder index in ``indexes``: ``id(pool)`` -> (weak reference, index)) pass, goes to
+    vLLM's ``original`` as it is; every other call goes to ``slow`` (the guard in full, which
+    screens again and says what it finds). O(blocks asked for)."""
+
+    def get_new_blocks(self: Any, num_blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if type(num_blocks) is not int or args or kwargs:
+            if num_blocks is _MISSING:
+                return slow(self, *args, **kwargs)
+            return slow(self, num_blocks, *args, **kwargs)
+        queue = self.free_block_queue
+        # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
+        if 0 < num_blocks <= queue.num_free_blocks:
+            head = queue.fake_free_list_head
+            if first_held_free(head, num_blocks) is not None:
+                return slow(self, num_blocks)
+            # The free list's exit: a block a live request lists is never handed out.
+            entry = indexes.get(id(self))
+            if entry is not None and entry[0]() is self:
+                held = entry[1]
+                if first_listed(head, num_blocks, held.counts, held.blocks) is not None:
+                    return slow(self, num_blocks)
+        return original(self, num_blocks)
+
+    return get_new_blocks
+
+
+def touch_guard(original: Any, slow: Any, indexes: dict[int, Any], own: bool, weak: bool) -> Any:
+    """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
+    once, into a list, which is what vLLM is given) that :func:`first_negative` and
+    :func:`first_listed_free` pass go to vLLM's ``original``; every other call goes to
+    ``slow`` (the guard in full) with that list. ``own``: the blocks name their pool (vLLM
+    0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+). O(len(blocks))."""
+
+    def touch(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if blocks is _MISSING:
+            return slow(self, *args, **kwargs)
+        if args or kwargs:
+            return slow(self, blocks, *args, **kwargs)
+        blocks = list(blocks)
+        if first_negative(blocks, self._weak_self if weak else self if own else None) < 0:
+            # A prefix hit takes a block out of the free list's middle: not one a live
+            # request lists.
+            entry = indexes.get(id(self))
+            if entry is None or entry[0]() is not self:
+                return original(self, blocks)
+            held = entry[1]
+            if first_listed_free(blocks, held.counts, held.blocks) < 0:
+                return original(self, blocks)
+        return slow(self, blocks)
+
+    return touch
+
+
+def free_guard(
+    original: Any, slow: Any, door_type: Any, freed: Any, own: bool, weak: bool, releases: bool
+) -> Any:
+    """``free_blocks`` or ``unpin_blocks`` guarded on the path vLLM takes: blocks given by
+    position alone (iterated once, into a list, which is what vLLM is given) to a pool whose
+    queue's ``gate`` is a ``door_type`` (the free list's entry, with the holder index), that
+    :func:`first_excess` and (``releases``) :func:`first_under_listed` pass: the free is kept
+    (``freed(blocks, releases, depth)``), and vLLM's ``original`` runs with the door open to
+    it. Every other call goes to ``slow`` (the guard in full) with that list. ``own``, ``weak``:
+    as :func:`touch_guard`'s. O(len(blocks))."""
+
+    def free_blocks(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
+        if blocks is _MISSING:
+            return slow(self, *args, **kwargs)
+        if args or kwargs:
+            return slow(self, blocks, *args, **kwargs)
+        blocks = list(blocks)
+        door: Any = getattr(self.free_block_queue, "gate", None)
+        if type(door) is not door_type:
+            return slow(self, blocks)
+        if first_excess(blocks, self._weak_self if weak else self if own else None) != -1:
+            return slow(self, blocks)
+        if releases:
+            held = door.index
+            if first_under_listed(blocks, held.counts, held.blocks) >= 0:
+                return slow(self, blocks)
+        freed(blocks, releases, 2)  # this frame, then the caller's
+        door.freeing += 1
+        try:
+            return original(self, blocks)
+        finally:
+            door.freeing -= 1
+
+    return free_blocks
 
 
 def _listed(block: Any, counts: list[int], pool_blocks: list[Any]) -> bool:
