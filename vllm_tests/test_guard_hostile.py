@@ -144,7 +144,10 @@ def test_many_negative_blocks_are_repaired_in_one_walk(
     for block in free:
         block.ref_cnt = -1
     assert len(pool.get_new_blocks(2000)) == 2000
-    assert len(walks) == 1
+    # One walk to find the misuse, one more where the pure twin's passing path (whose calls
+    # are C calls in the compiled twin, not seen here) hands the call to the guard in full:
+    # never one per block.
+    assert walks == [2000] * (2 if kind == "python" else 1)
     assert _pool_guard.pool_repairs(pool)["negative_ref"] == 2000
     consistent(pool)
 

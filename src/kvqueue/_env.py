@@ -51,7 +51,7 @@ MEANINGS: Mapping[str, str] = {
     POOL_GUARD: "0: the vLLM plugin leaves BlockPool's methods unguarded (1 or unset: guarded)",
     AUDIT_EVERY: "1, 2, 4, ... 1024: steps between the holder audit's full reads of every "
     "listing, which check the holder index too (0 or unset: none; each step looks up only the "
-    "blocks freed since, in the index)",
+    "blocks freed since unchecked by the index, in it)",
     WRAP_FOREIGN: "1: the vLLM plugin installs over another project's patch (0 or unset: refuses)",
     PURE: "1: import kvqueue loads the pure twin (0 or unset: the compiled one)",
 }
