@@ -409,6 +409,29 @@ def test_a_listing_made_without_a_reference_waits_for_the_full_audit(
     consistent(pool)
 
 
+class _Unnamed:
+    """A manager no weak reference can name: no place is kept for it."""
+
+    __slots__ = ("coordinator",)
+
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+
+def test_a_manager_no_weak_reference_names_is_read_whole_at_each_step(
+    queue_mod: ModuleType, audited: tuple[Any, Any]
+) -> None:
+    pool, manager = audited
+    unnamed = _Unnamed(manager.coordinator)
+    first, second = (m.req_to_blocks for m in manager.coordinator.single_type_managers)
+    step(queue_mod, unnamed, 0)
+    first["A"] = pool.get_new_blocks(2)
+    second["A"] = first["A"][:1]  # listed by two managers: no free shows it
+    step(queue_mod, unnamed, 0)  # never a full read by the setting, yet one each time
+    assert _report.pool_repairs(pool)["two_managers"] == 1
+    assert all(entry[0]() is not unnamed for entry in _audit._places.values())
+
+
 def test_recent_frees_are_the_last_batches_kept() -> None:
     made = _report.frees_made()
     batches = [[object()] for _ in range(5)]

@@ -38,6 +38,7 @@ at the free list's exit: ``get_new_blocks`` never hands out a block the holder i
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from types import ModuleType
@@ -48,9 +49,11 @@ from . import _index, _registry, _report, _rules
 
 __all__ = ("audit_holders", "enter", "hand_out", "release", "touch_listed")
 
-# Per KVCacheManager: the guarded frees no index checked, made when it was last audited, and the
-# steps since its last full audit.
-_places: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+# Per KVCacheManager, by its id: a weak reference to it (its entry goes with it), and its place:
+# the guarded frees no index checked, made when it was last audited, and the steps since its
+# last full audit. Read at every step, where a weak dictionary's look-up (a new weak reference
+# per call) cost several times a dict's.
+_places: dict[int, tuple[weakref.ref[Any], list[int]]] = {}
 # Holders named in a message, at most.
 _SHOWN = 4
 # Per pool, under repair: the double listings (kind, block id, holders) the last reads found.
@@ -80,19 +83,11 @@ def audit_holders(
     ``ref_cnt`` that is no integer.
     """
     _report.count_audit()
-    coordinator = manager.coordinator
-    pool = coordinator.block_pool
-    blocks = pool.blocks
-    if type(blocks) is not list:
-        return
     made = _report.frees_made()
+    # The place first, and nothing else where nothing is to be read: this runs at every step.
+    entry = _places.get(id(manager))
+    place = entry[1] if entry is not None and entry[0]() is manager else None
     only = None
-    try:
-        place = _places.get(manager)
-    except TypeError:  # a manager no weak reference can name: read everything each time
-        place, kept = None, False
-    else:
-        kept = True
     steps = 0  # since the last full read, this one included
     if place is not None:  # a manager's first audit reads everything
         steps = place[1] + 1
@@ -105,14 +100,18 @@ def audit_holders(
             only = _report.recent_frees(made - place[0])
             if only is None:  # more frees than are kept: read everything
                 steps = 0
+    coordinator = manager.coordinator
+    pool = coordinator.block_pool
+    blocks = pool.blocks
+    if type(blocks) is not list:
+        return
     index = _index.index_of(pool)
     if only is not None and index is not None:
         # The holder index says which freed blocks may be at fault: O(blocks freed), and
         # the listings are read only for those.
         suspects = screen.suspects(only, index.counts, index.blocks)
         if not suspects:
-            if kept:
-                _places[manager] = [made, steps]
+            _keep_place(manager, made, steps)
             return
         only = [suspects]
     managers = [m for m in coordinator.single_type_managers if not _index.unpins(type(m))]
@@ -126,8 +125,26 @@ def audit_holders(
     # Past the frees it read only once nothing was raised: a step retried after
     # HolderAuditError (the pool as it was) reads them again, and raises again while the
     # fault stands.
-    if kept:
-        _places[manager] = [made, steps]
+    _keep_place(manager, made, steps)
+
+
+def _keep_place(manager: Any, made: int, steps: int) -> None:
+    """``manager``'s place: the unchecked frees made at its last audit, and the steps since
+    its last full read. A manager no weak reference can name keeps none: each of its audits
+    reads everything."""
+    key = id(manager)
+    entry = _places.get(key)
+    if entry is not None and entry[0]() is manager:
+        entry[1][:] = (made, steps)
+        return
+
+    # The table bound here: a manager freed at the interpreter's exit still finds it.
+    def forget(ref: weakref.ref[Any], places: dict[int, Any] = _places) -> None:
+        if places.get(key, (None,))[0] is ref:
+            del places[key]
+
+    with contextlib.suppress(TypeError):
+        _places[key] = (weakref.ref(manager, forget), [made, steps])
 
 
 def _rebuilt(pool: Any, index: _index.Index) -> bool:
