@@ -191,12 +191,9 @@ def freed(blocks: list[Any], checked: bool = False, depth: int = _FREE_DEPTH) ->
     # The walk starts at the guard's caller: each frame object caller() would step through is
     # made on the way (the interpreter makes them only when asked), a cost at every free.
     try:
-        frame = sys._getframe(depth)
+        frame = _outside(sys._getframe(depth))
     except ValueError:  # the guard's caller is no Python code
         frame = None
-    # _outside, inlined: this runs at every free.
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame = frame.f_back
     if frame is None:  # no Python code called it (a thread's target)
         _frees.append((blocks, None, 0))
     else:
