@@ -661,3 +661,140 @@ def test_the_counts_and_suspects_leave_memory_flat(screen: ModuleType, traced: b
     assert after[0] == before[0]
     assert abs(after[1] - before[1]) <= 10
     assert abs(grown) <= 32 * 1024
+
+
+# -- the passing paths' screens: each the conjunction of two screens above, in one pass.
+
+
+def _pool_of(block_class: type, rng: random.Random, size: int) -> list[Any]:
+    """``size`` blocks of ``POOL`` with their ids, some null, some linked in a free list."""
+    made = []
+    for i in range(size):
+        block = block_class(rng.choice([-1, 0, 0, 1, 1, 2, 3]), is_null=rng.random() < 0.05)
+        block.block_id = i
+        if rng.random() < 0.05:
+            block.prev_free_block = block_class(0)
+        made.append(block)
+    return made
+
+
+class IdBlock(Block):
+    block_id: Any
+
+
+class SlottedIdBlock:
+    __slots__ = ("block_id", "is_null", "next_free_block", "pool", "prev_free_block", "ref_cnt")
+    __init__ = _block_init
+
+
+@pytest.fixture(params=[IdBlock, SlottedIdBlock], ids=["dict", "slots"])
+def id_block_class(request: pytest.FixtureRequest) -> type:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_passes_free_is_first_excess_and_first_under_listed(
+    screen: ModuleType, id_block_class: type, seed: int
+) -> None:
+    rng = random.Random(seed)
+    pool_blocks = _pool_of(id_block_class, rng, 12)
+    counts = [rng.choice([0, 0, 0, 1, 2]) for _ in pool_blocks]
+    strangers = [id_block_class(1, pool=rng.choice([None, OTHER])) for _ in range(2)]
+    for block in strangers:
+        block.block_id = rng.randrange(12)
+    if rng.random() < 0.5:
+        strangers = []
+    blocks = [rng.choice(pool_blocks + strangers) for _ in range(rng.randint(0, 6))]
+    if rng.random() < 0.3:
+        blocks = list({id(block): block for block in blocks}.values())  # each once
+    clean = screen.first_excess(blocks, POOL) == -1
+    assert screen.passes_free(blocks, POOL, None, None) is clean
+    listed = clean and screen.first_under_listed(blocks, counts, pool_blocks) < 0
+    assert screen.passes_free(blocks, POOL, counts, pool_blocks) is listed
+
+
+def test_passes_free_sends_the_unusual_to_the_full_guard(screen: ModuleType) -> None:
+    """A ``ref_cnt`` of an int subclass, a count of no int: the full guard reads them."""
+    block = IdBlock(_Count(2))
+    block.block_id = 0
+    assert screen.first_excess([block], POOL) == -1
+    assert screen.passes_free([block], POOL, None, None) is False
+    block.ref_cnt = 2
+    assert screen.passes_free([block], POOL, [1], [block]) is True
+    assert screen.passes_free([block], POOL, [_Count(1)], [block]) is True
+    assert screen.passes_free([block], POOL, [_Count(2)], [block]) is False
+    assert screen.passes_free([block], POOL, ["one"], [block]) is False
+    assert screen.passes_free([block], POOL, ["one"], [IdBlock(0)]) is True  # not this block
+    assert screen.passes_free([block], None, None, None) is True  # a line without pools
+
+
+def test_passes_free_reads_each_field_once_in_order(screen: ModuleType) -> None:
+    pool_blocks = [Suspect(i, 2) for i in range(3)]
+    Suspect.reads.clear()
+    assert screen.passes_free(pool_blocks, None, [0, 1, 0], pool_blocks) is True
+    assert Suspect.reads == ["is_null", "prev_free_block", "ref_cnt", "block_id"] * 3
+    Suspect.reads.clear()
+    pool_blocks[1].set(ref_cnt=1)  # as many references as listings: its release is refused
+    assert screen.passes_free(pool_blocks, None, [0, 1, 0], pool_blocks) is False
+    assert Suspect.reads == ["is_null", "prev_free_block", "ref_cnt", "block_id"] * 2
+
+
+def test_passes_free_holds_and_gives_back_what_it_saw(screen: ModuleType) -> None:
+    """Above the table kept on the stack (32 blocks), and with a block given twice."""
+    blocks = [Block(2) for _ in range(100)]
+    before = [sys.getrefcount(block) for block in blocks]
+    assert screen.passes_free(blocks, POOL, None, None) is True
+    assert screen.passes_free([*blocks, blocks[7]], POOL, None, None) is False
+    assert screen.passes_free(blocks[:5] + blocks[:1], POOL, None, None) is False
+    assert [sys.getrefcount(block) for block in blocks] == before
+    with pytest.raises(LookupError):
+        screen.passes_free([blocks[0], Raising(1)], POOL, None, None)
+    assert sys.getrefcount(blocks[0]) == before[0]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_passes_touch_is_first_negative_and_first_listed_free(
+    screen: ModuleType, id_block_class: type, seed: int
+) -> None:
+    rng = random.Random(seed)
+    pool_blocks = _pool_of(id_block_class, rng, 12)
+    counts = [rng.choice([0, 0, 1, 2]) for _ in pool_blocks]
+    blocks = [rng.choice(pool_blocks) for _ in range(rng.randint(0, 6))]
+    clean = screen.first_negative(blocks, POOL) < 0
+    assert screen.passes_touch(blocks, POOL, None, None) is clean
+    listed = clean and screen.first_listed_free(blocks, counts, pool_blocks) < 0
+    assert screen.passes_touch(blocks, POOL, counts, pool_blocks) is listed
+
+
+def test_passes_touch_sends_the_unusual_to_the_full_guard(screen: ModuleType) -> None:
+    block = IdBlock(0)
+    block.block_id = 0
+    assert screen.passes_touch([block], POOL, [0], [block]) is True
+    assert screen.passes_touch([block], POOL, [1], [block]) is False  # listed and free
+    assert screen.passes_touch([block], OTHER, None, None) is False  # another pool's
+    block.ref_cnt = _Count(1)
+    assert screen.first_negative([block], POOL) == -1
+    assert screen.passes_touch([block], POOL, None, None) is False
+    Suspect.reads.clear()
+    suspect = Suspect(0, 0)
+    assert screen.passes_touch([suspect], None, [0], [suspect]) is True
+    assert Suspect.reads == ["is_null", "ref_cnt", "block_id"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_passes_hand_out_is_first_held_free_and_first_listed(
+    screen: ModuleType, id_block_class: type, seed: int
+) -> None:
+    rng = random.Random(seed)
+    head = id_block_class(0)
+    chain = _pool_of(id_block_class, rng, 8)
+    for block in chain:
+        block.ref_cnt = rng.choice([0, 0, 0, 0, 1, _Count(0)])
+    for left, right in zip([head, *chain], chain, strict=False):
+        left.next_free_block = right
+    counts = [rng.choice([0, 0, 0, 0, 1]) for _ in chain]
+    n = rng.randint(0, 10)  # past the last link too
+    clean = screen.first_held_free(head, n) is None
+    assert screen.passes_hand_out(head, n, None, None) is clean
+    listed = clean and screen.first_listed(head, n, counts, chain) is None
+    assert screen.passes_hand_out(head, n, counts, chain) is listed

@@ -18,3 +18,11 @@ def kept_install() -> Iterator[None]:
         kvqueue_vllm.install(
             was["implementation"], on_misuse=was["on_misuse"], pool_guard=was["pool_guard"]
         )
+
+
+@pytest.fixture(autouse=True)
+def log_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new window of kvqueue's per-process log rate limit for each test: a test that reads a
+    repair's log line must not find the lines used up by the tests before it in its process
+    (which tests share a process depends on pytest-xdist's spread)."""
+    monkeypatch.setattr("kvqueue._log._window_start", float("-inf"))

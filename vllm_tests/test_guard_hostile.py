@@ -131,23 +131,24 @@ def test_many_negative_blocks_are_repaired_in_one_walk(
     import importlib
 
     screen = importlib.import_module(SCREENS[kind])
-    walks = []
-    walk = screen.first_held_free
+    walks: list[tuple[str, int]] = []
+    for name in ("first_held_free", "passes_hand_out"):
+        walk = getattr(screen, name)
 
-    def counted(head: Any, n: int) -> Any:
-        walks.append(n)
-        return walk(head, n)
+        def counted(head: Any, n: int, *args: Any, name: str = name, walk: Any = walk) -> Any:
+            walks.append((name, n))
+            return walk(head, n, *args)
 
-    monkeypatch.setattr(screen, "first_held_free", counted)
+        monkeypatch.setattr(screen, name, counted)
     pool = new_pool(kind, "repair", num_blocks=2001)
     free = pool.free_block_queue.get_all_free_blocks()
     for block in free:
         block.ref_cnt = -1
     assert len(pool.get_new_blocks(2000)) == 2000
-    # One walk to find the misuse, one more where the pure twin's passing path (whose calls
-    # are C calls in the compiled twin, not seen here) hands the call to the guard in full:
-    # never one per block.
-    assert walks == [2000] * (2 if kind == "python" else 1)
+    # The passing path's walk finds a misuse (the compiled twin's calls it as a C call, not
+    # seen here), and the guard in full walks once to say which: never one walk per block.
+    passing = [("passes_hand_out", 2000)] if kind == "python" else []
+    assert walks == [*passing, ("first_held_free", 2000)]
     assert _pool_guard.pool_repairs(pool)["negative_ref"] == 2000
     consistent(pool)
 

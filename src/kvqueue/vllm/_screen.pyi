@@ -13,6 +13,9 @@ from ._screen_py import first_negative as first_negative
 from ._screen_py import first_under_listed as first_under_listed
 from ._screen_py import free_guard as free_guard
 from ._screen_py import holder_faults as holder_faults
+from ._screen_py import passes_free as passes_free
+from ._screen_py import passes_hand_out as passes_hand_out
+from ._screen_py import passes_touch as passes_touch
 from ._screen_py import touch_guard as touch_guard
 
 __all__ = (
@@ -30,5 +33,8 @@ __all__ = (
     "first_under_listed",
     "free_guard",
     "holder_faults",
+    "passes_free",
+    "passes_hand_out",
+    "passes_touch",
     "touch_guard",
 )

@@ -50,6 +50,9 @@ __all__ = (
     "first_under_listed",
     "free_guard",
     "holder_faults",
+    "passes_free",
+    "passes_hand_out",
+    "passes_touch",
     "suspects",
     "touch_guard",
 )
@@ -242,11 +245,6 @@ def first_excess(list blocks, object pool):
 def first_negative(list blocks, object pool):
     """The index of the first block of ``pool`` (null aside; ``pool`` None: any block)
     whose ``ref_cnt`` is negative or no int, or -1."""
-    return _first_negative(blocks, pool)
-
-
-# The screens the guards below call, as C calls.
-cdef Py_ssize_t _first_negative(list blocks, object pool) except -2:
     cdef Py_ssize_t i = 0, refs
     cdef Py_ssize_t n = len(blocks)
     cdef object block
@@ -284,10 +282,6 @@ def first_listed_free(list blocks, list counts, list pool_blocks):
     ``touch`` reads it) while a live request lists it (``counts[block_id]`` not 0, the holder
     index's, and the block is ``pool_blocks[block_id]``), null blocks aside, or -1;
     O(len(blocks))."""
-    return _first_listed_free(blocks, counts, pool_blocks)
-
-
-cdef Py_ssize_t _first_listed_free(list blocks, list counts, list pool_blocks) except -2:
     cdef Py_ssize_t i = 0, refs
     cdef Py_ssize_t n = len(blocks)
     cdef object block
@@ -308,10 +302,6 @@ def first_held_free(object head, Py_ssize_t n):
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
     whose ``ref_cnt`` is not 0 (or no int), or None; O(n). A link that is None ends
     the walk."""
-    return _first_held_free(head, n)
-
-
-cdef object _first_held_free(object head, Py_ssize_t n):
     cdef object block = head
     cdef Py_ssize_t refs
     cdef _Layout lay
@@ -332,10 +322,6 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel) that a
     live request lists (``counts[block_id]`` not 0, the holder index's, and the block is
     ``pool_blocks[block_id]``), or None; O(n). A link that is None ends the walk."""
-    return _first_listed(head, n, counts, pool_blocks)
-
-
-cdef object _first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
     cdef object block = head
     cdef _Layout lay
     lay.type = NULL
@@ -348,14 +334,177 @@ cdef object _first_listed(object head, Py_ssize_t n, list counts, list pool_bloc
     return None
 
 
+# A free's blocks given more than once are found in a table of their addresses; up to this
+# many slots it is on the stack (a free of up to half as many blocks: most of vLLM's), above
+# it allocated, as first_excess's is.
+cdef enum:
+    _STACK_SLOTS = 64
+
+
+def passes_free(list blocks, object pool, list counts, list pool_blocks):
+    """Whether :func:`first_excess` finds nothing in ``blocks``, and no flag, and (``counts``
+    given: the holder index's, with ``pool_blocks``) :func:`first_under_listed` finds nothing;
+    in one pass, the free guard's passing path. False too at a ``ref_cnt`` that is no int
+    exactly, which the full guard reads. O(len(blocks)).
+
+    Fields are read in the order ``pool``, ``is_null``, ``prev_free_block``, ``ref_cnt``,
+    ``block_id`` (``counts`` given; a read that raises AttributeError reads as none), up to
+    the first block that fails; a count of no int fails too."""
+    return _passes_free(blocks, pool, counts, pool_blocks)
+
+
+cdef bint _passes_free(list blocks, object pool, list counts, list pool_blocks) except -1:
+    cdef Py_ssize_t n = len(blocks), i = 0, cap = 8, mask, slot, refs, listed
+    cdef PyObject *stack[_STACK_SLOTS]
+    cdef PyObject **seen = stack
+    cdef bint passes = True
+    cdef object block
+    cdef _Layout lay
+    lay.type = NULL
+    while cap < 2 * n:
+        cap <<= 1
+    mask = cap - 1
+    if cap > _STACK_SLOTS:
+        seen = <PyObject **>PyMem_Calloc(cap, sizeof(PyObject *))
+        if seen is NULL:
+            raise MemoryError()
+    else:
+        memset(stack, 0, cap * sizeof(PyObject *))
+    try:
+        # The length is read again each turn, as first_excess does; the table holds each
+        # block it names (a read may run code that frees one and reuses its address).
+        while i < len(blocks) and i < n:
+            block = blocks[i]
+            i += 1
+            if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
+                passes = False
+                break
+            if _is_null(block, &lay):
+                continue
+            slot = <Py_ssize_t>((<uintptr_t><PyObject *>block >> 4) & mask)
+            while seen[slot] is not NULL and seen[slot] != <PyObject *>block:
+                slot = (slot + 1) & mask
+            if seen[slot] is not NULL:
+                passes = False
+                break
+            Py_INCREF(block)
+            seen[slot] = <PyObject *>block
+            if _field(block, &lay, _PREV, "prev_free_block") is not None:
+                passes = False
+                break
+            value = _field(block, &lay, _REF_CNT, "ref_cnt")
+            if type(value) is not int or not kvs_count(<PyObject *>value, &refs) or refs < 1:
+                passes = False
+                break
+            if counts is not None:
+                listed = _listings(block, &lay, counts, pool_blocks)
+                if listed < 0 or refs <= listed:
+                    passes = False
+                    break
+    finally:
+        for slot in range(cap):
+            if seen[slot] is not NULL:
+                Py_DECREF(<object>seen[slot])
+        if seen != stack:
+            PyMem_Free(seen)
+    return passes
+
+
+cdef inline Py_ssize_t _listings(
+    object block, _Layout *lay, list counts, list pool_blocks
+) except -2:
+    """``counts[block_id]`` (the holder index's) for a block that is ``pool_blocks[block_id]``,
+    its ``block_id`` (read as ``getattr(block, "block_id", None)``) an int exactly within both
+    lists; else 0; -1 for a count of no int."""
+    cdef Py_ssize_t block_id, listed
+    value = _field(block, lay, _BLOCK_ID, "block_id", True)
+    if type(value) is not int or not kvs_count(<PyObject *>value, &block_id):
+        return 0
+    # Both lengths read after the block's read, which may run code that changes them; the
+    # count first: most blocks a check reads are listed by none.
+    if block_id < 0 or block_id >= PyList_GET_SIZE(counts):
+        return 0
+    item = PyList_GET_ITEM(counts, block_id)
+    if kvs_count(item, &listed) and listed == 0:
+        return 0
+    if block_id >= PyList_GET_SIZE(pool_blocks):
+        return 0
+    if PyList_GET_ITEM(pool_blocks, block_id) != <PyObject *>block:
+        return 0
+    if not kvs_count(item, &listed):
+        return -1
+    return listed
+
+
+def passes_touch(list blocks, object pool, list counts, list pool_blocks):
+    """Whether :func:`first_negative` finds nothing in ``blocks`` and (``counts`` given: the
+    holder index's, with ``pool_blocks``) :func:`first_listed_free` finds nothing; in one
+    pass, the touch guard's passing path. False too at a block of no pool or another
+    (``pool`` not None), or a ``ref_cnt`` that is no int exactly, which the full guard
+    reads. O(len(blocks)).
+
+    Fields are read in the order ``pool``, ``is_null``, ``ref_cnt``, and for a ``ref_cnt``
+    of 0 ``block_id`` (``counts`` given), up to the first block that fails."""
+    return _passes_touch(blocks, pool, counts, pool_blocks)
+
+
+cdef bint _passes_touch(list blocks, object pool, list counts, list pool_blocks) except -1:
+    cdef Py_ssize_t n = len(blocks), i = 0, refs
+    cdef object block
+    cdef _Layout lay
+    lay.type = NULL
+    while i < len(blocks) and i < n:
+        block = blocks[i]
+        i += 1
+        if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
+            return False
+        if _is_null(block, &lay):
+            continue
+        value = _field(block, &lay, _REF_CNT, "ref_cnt")
+        if type(value) is not int or not kvs_count(<PyObject *>value, &refs) or refs < 0:
+            return False
+        if refs == 0 and counts is not None and _listed(block, &lay, counts, pool_blocks):
+            return False
+    return True
+
+
+def passes_hand_out(object head, Py_ssize_t n, list counts, list pool_blocks):
+    """Whether :func:`first_held_free` finds none of the ``n`` blocks after ``head`` and
+    (``counts`` given: the holder index's, with ``pool_blocks``) :func:`first_listed` finds
+    none; in one walk, the allocation guard's passing path. O(n).
+
+    Fields are read in the order ``next_free_block``, ``ref_cnt``, ``block_id`` (``counts``
+    given), block by block, up to the first that fails; a link that is None ends the walk."""
+    return _passes_hand_out(head, n, counts, pool_blocks)
+
+
+cdef bint _passes_hand_out(object head, Py_ssize_t n, list counts, list pool_blocks) except -1:
+    cdef object block = head
+    cdef Py_ssize_t refs
+    cdef _Layout lay
+    lay.type = NULL
+    for _ in range(n):
+        block = _field(block, &lay, _NEXT, "next_free_block")
+        if block is None:
+            return True
+        value = _field(block, &lay, _REF_CNT, "ref_cnt")
+        if not kvs_count(<PyObject *>value, &refs) or refs != 0:
+            return False
+        if counts is not None and _listed(block, &lay, counts, pool_blocks):
+            return False
+    return True
+
+
 # Not a value a caller passes: a call without the first argument.
 cdef object _MISSING = object()
+# A pool's counts and blocks where it has no holder index: its passing paths check no listing.
+cdef tuple _NO_INDEX = (None, None)
 
 
 def alloc_guard(object original, object slow, dict indexes):
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
-    int exactly, whose blocks :func:`first_held_free` and :func:`first_listed` (against the
-    pool's holder index in ``indexes``: ``id(pool)`` -> (weak reference, index)) pass, goes to
+    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index
+    in ``indexes``: ``id(pool)`` -> (weak reference, index)), goes to
     vLLM's ``original`` as it is; every other call goes to ``slow`` (the guard in full, which
     screens again and says what it finds). O(blocks asked for)."""
 
@@ -367,15 +516,12 @@ def alloc_guard(object original, object slow, dict indexes):
         queue = self.free_block_queue
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
-            head = queue.fake_free_list_head
-            if _first_held_free(head, num_blocks) is not None:
-                return slow(self, num_blocks)
             # The free list's exit: a block a live request lists is never handed out.
             entry = indexes.get(id(self))
-            if entry is not None and entry[0]() is self:
-                held = entry[1]
-                if _first_listed(head, num_blocks, held.counts, held.blocks) is not None:
-                    return slow(self, num_blocks)
+            held = entry[1] if entry is not None and entry[0]() is self else None
+            counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+            if not _passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
+                return slow(self, num_blocks)
         return original(self, num_blocks)
 
     return get_new_blocks
@@ -388,7 +534,7 @@ def free_guard(
     """``free_blocks`` or ``unpin_blocks`` guarded on the path vLLM takes: blocks given by
     position alone (iterated once, into a list, which is what vLLM is given) to a pool whose
     queue's ``gate`` is a ``door_type`` (the free list's entry, with the holder index), that
-    :func:`first_excess` and (``releases``) :func:`first_under_listed` pass: the free is kept
+    :func:`passes_free` passes (against that index when ``releases``): the free is kept
     (``freed(blocks, releases, depth)``), and vLLM's ``original`` runs with the door open to
     it. Every other call goes to ``slow`` (the guard in full) with that list. ``own``, ``weak``:
     as :func:`touch_guard`'s. O(len(blocks))."""
@@ -402,12 +548,11 @@ def free_guard(
         door = getattr(self.free_block_queue, "gate", None)
         if type(door) is not door_type:
             return slow(self, blocks)
-        if first_excess(blocks, self._weak_self if weak else self if own else None) != -1:
+        held = door.index if releases else None
+        counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+        pool = self._weak_self if weak else self if own else None
+        if not _passes_free(blocks, pool, counts, pool_blocks):
             return slow(self, blocks)
-        if releases:
-            held = door.index
-            if first_under_listed(blocks, held.counts, held.blocks) >= 0:
-                return slow(self, blocks)
         freed(blocks, releases, 1)  # no frame of this one's: the caller's
         door.freeing += 1
         try:
@@ -420,8 +565,8 @@ def free_guard(
 
 def touch_guard(object original, object slow, dict indexes, bint own, bint weak):
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
-    once, into a list, which is what vLLM is given) that :func:`first_negative` and
-    :func:`first_listed_free` pass go to vLLM's ``original``; every other call goes to
+    once, into a list, which is what vLLM is given) that :func:`passes_touch` passes go to
+    vLLM's ``original``; every other call goes to
     ``slow`` (the guard in full) with that list. ``own``: the blocks name their pool (vLLM
     0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+). O(len(blocks))."""
 
@@ -431,15 +576,14 @@ def touch_guard(object original, object slow, dict indexes, bint own, bint weak)
         if args or kwargs:
             return slow(self, blocks, *args, **kwargs)
         blocks = list(blocks)
-        if _first_negative(blocks, self._weak_self if weak else self if own else None) < 0:
-            # A prefix hit takes a block out of the free list's middle: not one a live
-            # request lists.
-            entry = indexes.get(id(self))
-            if entry is None or entry[0]() is not self:
-                return original(self, blocks)
-            held = entry[1]
-            if _first_listed_free(blocks, held.counts, held.blocks) < 0:
-                return original(self, blocks)
+        # A prefix hit takes a block out of the free list's middle: not one a live request
+        # lists.
+        entry = indexes.get(id(self))
+        held = entry[1] if entry is not None and entry[0]() is self else None
+        counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+        pool = self._weak_self if weak else self if own else None
+        if _passes_touch(blocks, pool, counts, pool_blocks):
+            return original(self, blocks)
         return slow(self, blocks)
 
     return touch

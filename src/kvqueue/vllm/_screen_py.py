@@ -48,6 +48,9 @@ __all__ = (
     "first_under_listed",
     "free_guard",
     "holder_faults",
+    "passes_free",
+    "passes_hand_out",
+    "passes_touch",
     "suspects",
     "touch_guard",
 )
@@ -176,14 +179,91 @@ def first_listed(head: Any, n: int, counts: list[int], pool_blocks: list[Any]) -
     return None
 
 
+def passes_free(
+    blocks: list[Any], pool: object, counts: list[int] | None, pool_blocks: list[Any]
+) -> bool:
+    """Whether :func:`first_excess` finds nothing in ``blocks``, and no flag, and (``counts``
+    given: the holder index's, with ``pool_blocks``) :func:`first_under_listed` finds nothing;
+    in one pass, the free guard's passing path. False too at a ``ref_cnt`` that is no int
+    exactly, which the full guard reads. O(len(blocks)).
+
+    Fields are read in the order ``pool``, ``is_null``, ``prev_free_block``, ``ref_cnt``,
+    ``block_id`` (``counts`` given; a read that raises AttributeError reads as none), up to
+    the first block that fails; a count of no int fails too."""
+    # By identity, each block held while the pass runs: one given twice fails.
+    seen: dict[int, Any] = {}
+    for _, block in zip(range(len(blocks)), blocks, strict=False):
+        if pool is not None and block.pool is not pool:
+            return False
+        if block.is_null:
+            continue
+        if id(block) in seen or block.prev_free_block is not None:
+            return False
+        seen[id(block)] = block
+        refs = block.ref_cnt
+        if type(refs) is not int or refs < 1:
+            return False
+        if counts is not None:
+            listed = _count(_own_listings(block, counts, pool_blocks))
+            if listed is None or refs <= listed:
+                return False
+    return True
+
+
+def passes_touch(
+    blocks: list[Any], pool: object, counts: list[int] | None, pool_blocks: list[Any]
+) -> bool:
+    """Whether :func:`first_negative` finds nothing in ``blocks`` and (``counts`` given: the
+    holder index's, with ``pool_blocks``) :func:`first_listed_free` finds nothing; in one
+    pass, the touch guard's passing path. False too at a block of no pool or another
+    (``pool`` not None), or a ``ref_cnt`` that is no int exactly, which the full guard
+    reads. O(len(blocks)).
+
+    Fields are read in the order ``pool``, ``is_null``, ``ref_cnt``, and for a ``ref_cnt``
+    of 0 ``block_id`` (``counts`` given), up to the first block that fails."""
+    for _, block in zip(range(len(blocks)), blocks, strict=False):
+        if pool is not None and block.pool is not pool:
+            return False
+        if block.is_null:
+            continue
+        refs = block.ref_cnt
+        if type(refs) is not int or refs < 0:
+            return False
+        if refs == 0 and counts is not None and _listed(block, counts, pool_blocks):
+            return False
+    return True
+
+
+def passes_hand_out(head: Any, n: int, counts: list[int] | None, pool_blocks: list[Any]) -> bool:
+    """Whether :func:`first_held_free` finds none of the ``n`` blocks after ``head`` and
+    (``counts`` given: the holder index's, with ``pool_blocks``) :func:`first_listed` finds
+    none; in one walk, the allocation guard's passing path. O(n).
+
+    Fields are read in the order ``next_free_block``, ``ref_cnt``, ``block_id`` (``counts``
+    given), block by block, up to the first that fails; a link that is None ends the walk."""
+    block = head
+    for _ in range(n):
+        block = block.next_free_block
+        if block is None:
+            return True
+        refs = block.ref_cnt
+        if refs is not _ZERO and _count(refs) != 0:
+            return False
+        if counts is not None and _listed(block, counts, pool_blocks):
+            return False
+    return True
+
+
 # Not a value a caller passes: a call without the first argument.
 _MISSING: Any = object()
+# A pool's counts and blocks where it has no holder index: its passing paths check no listing.
+_NO_INDEX: Any = (None, None)
 
 
 def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
-    int exactly, whose blocks :func:`first_held_free` and :func:`first_listed` (against the
-    pool's holder index in ``indexes``: ``id(pool)`` -> (weak reference, index)) pass, goes to
+    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index
+    in ``indexes``: ``id(pool)`` -> (weak reference, index)), goes to
     vLLM's ``original`` as it is; every other call goes to ``slow`` (the guard in full, which
     screens again and says what it finds). O(blocks asked for)."""
 
@@ -195,15 +275,12 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
         queue = self.free_block_queue
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
-            head = queue.fake_free_list_head
-            if first_held_free(head, num_blocks) is not None:
-                return slow(self, num_blocks)
             # The free list's exit: a block a live request lists is never handed out.
             entry = indexes.get(id(self))
-            if entry is not None and entry[0]() is self:
-                held = entry[1]
-                if first_listed(head, num_blocks, held.counts, held.blocks) is not None:
-                    return slow(self, num_blocks)
+            held = entry[1] if entry is not None and entry[0]() is self else None
+            counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+            if not passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
+                return slow(self, num_blocks)
         return original(self, num_blocks)
 
     return get_new_blocks
@@ -211,8 +288,8 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
 
 def touch_guard(original: Any, slow: Any, indexes: dict[int, Any], own: bool, weak: bool) -> Any:
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
-    once, into a list, which is what vLLM is given) that :func:`first_negative` and
-    :func:`first_listed_free` pass go to vLLM's ``original``; every other call goes to
+    once, into a list, which is what vLLM is given) that :func:`passes_touch` passes go to
+    vLLM's ``original``; every other call goes to
     ``slow`` (the guard in full) with that list. ``own``: the blocks name their pool (vLLM
     0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+). O(len(blocks))."""
 
@@ -222,15 +299,14 @@ def touch_guard(original: Any, slow: Any, indexes: dict[int, Any], own: bool, we
         if args or kwargs:
             return slow(self, blocks, *args, **kwargs)
         blocks = list(blocks)
-        if first_negative(blocks, self._weak_self if weak else self if own else None) < 0:
-            # A prefix hit takes a block out of the free list's middle: not one a live
-            # request lists.
-            entry = indexes.get(id(self))
-            if entry is None or entry[0]() is not self:
-                return original(self, blocks)
-            held = entry[1]
-            if first_listed_free(blocks, held.counts, held.blocks) < 0:
-                return original(self, blocks)
+        # A prefix hit takes a block out of the free list's middle: not one a live request
+        # lists.
+        entry = indexes.get(id(self))
+        held = entry[1] if entry is not None and entry[0]() is self else None
+        counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+        pool = self._weak_self if weak else self if own else None
+        if passes_touch(blocks, pool, counts, pool_blocks):
+            return original(self, blocks)
         return slow(self, blocks)
 
     return touch
@@ -242,7 +318,7 @@ def free_guard(
     """``free_blocks`` or ``unpin_blocks`` guarded on the path vLLM takes: blocks given by
     position alone (iterated once, into a list, which is what vLLM is given) to a pool whose
     queue's ``gate`` is a ``door_type`` (the free list's entry, with the holder index), that
-    :func:`first_excess` and (``releases``) :func:`first_under_listed` pass: the free is kept
+    :func:`passes_free` passes (against that index when ``releases``): the free is kept
     (``freed(blocks, releases, depth)``), and vLLM's ``original`` runs with the door open to
     it. Every other call goes to ``slow`` (the guard in full) with that list. ``own``, ``weak``:
     as :func:`touch_guard`'s. O(len(blocks))."""
@@ -256,12 +332,11 @@ def free_guard(
         door: Any = getattr(self.free_block_queue, "gate", None)
         if type(door) is not door_type:
             return slow(self, blocks)
-        if first_excess(blocks, self._weak_self if weak else self if own else None) != -1:
+        held = door.index if releases else None
+        counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+        pool = self._weak_self if weak else self if own else None
+        if not passes_free(blocks, pool, counts, pool_blocks):
             return slow(self, blocks)
-        if releases:
-            held = door.index
-            if first_under_listed(blocks, held.counts, held.blocks) >= 0:
-                return slow(self, blocks)
         freed(blocks, releases, 2)  # this frame, then the caller's
         door.freeing += 1
         try:
@@ -350,14 +425,13 @@ def _own_listings(block: Any, counts: list[Any], pool_blocks: list[Any]) -> Any:
     int exactly within both lists; else 0. A ``block_id`` read that raises AttributeError
     reads as none."""
     block_id = getattr(block, "block_id", None)
-    if (
-        type(block_id) is not int
-        or not 0 <= block_id < len(counts)
-        or block_id >= len(pool_blocks)
-        or pool_blocks[block_id] is not block
-    ):
+    if type(block_id) is not int or not 0 <= block_id < len(counts):
         return 0
-    return counts[block_id]
+    # The count first: most blocks a check reads are listed by none.
+    listed = counts[block_id]
+    if _count(listed) == 0 or block_id >= len(pool_blocks) or pool_blocks[block_id] is not block:
+        return 0
+    return listed
 
 
 def _gone(owner: object) -> bool:
