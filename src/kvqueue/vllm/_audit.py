@@ -54,6 +54,8 @@ __all__ = ("audit_holders", "enter", "hand_out", "release", "touch_listed")
 # last full audit. Read at every step, where a weak dictionary's look-up (a new weak reference
 # per call) cost several times a dict's.
 _places: dict[int, tuple[weakref.ref[Any], list[int]]] = {}
+# The audited steps and the unchecked frees (``_report``'s), read and moved at every step.
+_TALLY = _report.TALLY
 # Holders named in a message, at most.
 _SHOWN = 4
 # Per pool, under repair: the double listings (kind, block id, holders) the last reads found.
@@ -82,8 +84,9 @@ def audit_holders(
     Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
     ``ref_cnt`` that is no integer.
     """
-    _report.count_audit()
-    made = _report.frees_made()
+    tally = _TALLY
+    tally[0] += 1
+    made = tally[1]
     # The place first, and nothing else where nothing is to be read: this runs at every step.
     entry = _places.get(id(manager))
     place = entry[1] if entry is not None and entry[0]() is manager else None

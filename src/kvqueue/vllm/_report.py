@@ -20,11 +20,11 @@ from .. import _log, _policy, _render
 from . import _registry
 
 __all__ = (
+    "TALLY",
     "audit_findings",
     "audited_steps",
     "call",
     "caller",
-    "count_audit",
     "count_finding",
     "count_queue_repair",
     "count_rebuild",
@@ -47,10 +47,12 @@ __all__ = (
 
 # Per pool, weakly: a pool's counters go with it.
 _repairs: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
-# The holder audit's findings in this process, by kind, whatever the policy did with them,
-# and the steps it audited.
+# The holder audit's findings in this process, by kind, whatever the policy did with them.
 _findings: dict[str, int] = dict.fromkeys(_policy.AUDIT_MISUSES, 0)
-_audited = [0]
+#: What the holder audit reads and moves at every step, one list (a step starts with these out of
+#: the processor's cache, and each object read costs a wait): the steps it audited in this
+#: process, and the guarded frees whose releases no holder index checked, made in it.
+TALLY = [0, 0]
 # Every refusal (under "raise") and repair of the guard and its audit in this process, every
 # finding of the audit, every repair of a queue (outcome "queue_repaired") and every rebuild of
 # a stale holder index (``_REBUILT``), by (outcome, method, kind); each count is handed to the
@@ -69,7 +71,6 @@ _frees: collections.deque[tuple[list[Any], Any, int]] = collections.deque(maxlen
 # one, HiSparse's unpins): what the audit reads between its full reads. A free the index
 # checked left no block it released listed and free, or under-counted.
 _unchecked: collections.deque[list[Any]] = collections.deque(maxlen=_FREES)
-_unchecked_total = [0]
 # kvqueue's own: the guard, its rules, the audit, this module and the queue's pure twin calling
 # its gate, the frames between a checked call and the code that made it.
 _PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
@@ -89,11 +90,7 @@ def audit_findings() -> dict[str, int]:
 
 def audited_steps() -> int:
     """How many scheduler steps the holder audit read in this process."""
-    return _audited[0]
-
-
-def count_audit() -> None:
-    _audited[0] += 1
+    return TALLY[0]
 
 
 def count_rebuild() -> int:
@@ -208,13 +205,13 @@ def unchecked(blocks: list[Any]) -> None:
     """Keep ``blocks``, released by a guarded free, for the audit's next read
     (:func:`recent_frees`)."""
     _unchecked.append(blocks)
-    _unchecked_total[0] += 1
+    TALLY[1] += 1
 
 
 def frees_made() -> int:
     """How many guarded frees this process made that no holder index checked: the audit
     keeps its place by it."""
-    return _unchecked_total[0]
+    return TALLY[1]
 
 
 def recent_frees(n: int) -> list[list[Any]] | None:

@@ -32,6 +32,15 @@ static inline unsigned int kvs_version(PyTypeObject *tp)
 /* The slot's value, borrowed; NULL when it was never set or was deleted. */
 #define KVS_SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
+/* Ask for a block's first two cache lines (its header and slots) ahead of its reads: a
+   batch's blocks lie scattered in memory, and a screen that reads one block after another
+   would wait for each in turn. A hint only: no fault, no effect on what is read. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KVS_PREFETCH(o) (__builtin_prefetch((char *)(o)), __builtin_prefetch((char *)(o) + 64))
+#else
+#define KVS_PREFETCH(o) ((void)(o))
+#endif
+
 /* A ref_cnt as the screens compare it: 1 and its value in *out (clamped to Py_ssize_t)
    for an int or an int subclass, read as int (no __index__ or other code of its own
    runs); 0 for anything else, which the guard refuses. Inline for a small exact int, the

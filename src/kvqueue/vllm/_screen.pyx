@@ -82,6 +82,7 @@ cdef extern from "_screen.h":
     Py_ssize_t kvs_slot(PyTypeObject *tp, object name)
     unsigned int kvs_version(PyTypeObject *tp)
     PyObject *KVS_SLOT(PyObject *o, Py_ssize_t off)
+    void KVS_PREFETCH(PyObject *o)
     bint kvs_count(PyObject *v, Py_ssize_t *out)
 
 
@@ -339,6 +340,8 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
 # it allocated, as first_excess's is.
 cdef enum:
     _STACK_SLOTS = 64
+    # How many blocks ahead of its reads a pass over a batch asks for a block's memory.
+    _AHEAD = 4
 
 
 def passes_free(list blocks, object pool, list counts, list pool_blocks):
@@ -374,6 +377,8 @@ cdef bint _passes_free(list blocks, object pool, list counts, list pool_blocks) 
         # The length is read again each turn, as first_excess does; the table holds each
         # block it names (a read may run code that frees one and reuses its address).
         while i < len(blocks) and i < n:
+            if i + _AHEAD < PyList_GET_SIZE(blocks):
+                KVS_PREFETCH(PyList_GET_ITEM(blocks, i + _AHEAD))
             block = blocks[i]
             i += 1
             if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
@@ -454,6 +459,8 @@ cdef bint _passes_touch(list blocks, object pool, list counts, list pool_blocks)
     cdef _Layout lay
     lay.type = NULL
     while i < len(blocks) and i < n:
+        if i + _AHEAD < PyList_GET_SIZE(blocks):
+            KVS_PREFETCH(PyList_GET_ITEM(blocks, i + _AHEAD))
         block = blocks[i]
         i += 1
         if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
