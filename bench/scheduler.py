@@ -144,17 +144,24 @@ class Probe:
         self.size = array("q")  # blocks screened; -1: not a list (guard off)
         self._stack: list[list[int]] = []
         self.audit_ns = 0  # the holder audit's own time, timed around it
+        self.audits = 0
+        self.timer_ns = 0  # the timer's own: two readings back to back, beside each audit
 
     def clear(self) -> None:
         del self.method[:], self.gap[:], self.size[:]
-        self.audit_ns = 0
+        self.audit_ns = self.audits = self.timer_ns = 0
 
     def audit(self, original: Any) -> Any:
-        # The thread's CPU time, as the step's: a share of the step, on a loaded host too.
+        # The thread's CPU time, as the step's: a share of the step, on a loaded host too. Its
+        # reading is a system call, whose own time a timed call includes once: read beside
+        # each call, it is subtracted.
         clock = time.thread_time_ns
 
         def timed(*args: Any) -> None:
+            before = clock()
             start = clock()
+            self.timer_ns += start - before
+            self.audits += 1
             try:
                 original(*args)
             finally:
@@ -231,6 +238,7 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
     runs = [(t, g) for t in TWINS for g in (True, False)]
     gaps: dict[tuple[str, bool], list[array[int]]] = {r: [] for r in runs}
     audits: dict[str, list[int]] = {t: [] for t in TWINS}
+    timers: dict[str, list[float]] = {t: [] for t in TWINS}
     sizes: dict[str, array[int]] = {}
     calls: array[int] | None = None
     for _ in range(reps):
@@ -247,7 +255,8 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
             gaps[twin, guard].append(probe.gap)
             if guard:
                 sizes[twin] = probe.size
-                audits[twin].append(probe.audit_ns)
+                audits[twin].append(probe.audit_ns - probe.timer_ns)
+                timers[twin].append(probe.timer_ns / max(probe.audits, 1))
     assert calls is not None
     steps = setup.workload.steps - setup.workload.warmup_steps
 
@@ -264,6 +273,7 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
         out["twins"][twin] = {
             "guard_ns_per_step": on - off,
             "audit_ns_per_step": median(audits[twin]) / steps,
+            "timer_ns_per_call": median(timers[twin]),
             "shim_ns_per_call": off * steps / max(len(calls), 1),
             "calls_per_step": {m: k / steps for m, k in per_method.items() if k},
             "blocks_per_step": {m: k / steps for m, k in blocks.items() if per_method[m]},
@@ -334,6 +344,7 @@ _DERIVED = ("blocks_allocated", "popleft_n>1")
 def tables(data: dict[str, Any]) -> str:
     """The Markdown summary of a results file: step times, the guard's cost, the workloads."""
     steps, guard, nulls, shims, workloads = [], [], [], [], []
+    timers: list[float] = []
     for wname in data["records"][0]["workloads"]:
         per = [r["workloads"][wname] for r in data["records"]]
         n = per[0]["timed_steps"]
@@ -356,12 +367,22 @@ def tables(data: dict[str, Any]) -> str:
                     for c, m in zip(probed, step, strict=True)
                 ]
             )
+            both = bootstrap_median(
+                [
+                    (c["guard_ns_per_step"] + c["audit_ns_per_step"])
+                    / 1e3
+                    / (m[on] / n * 1e6)
+                    * 100
+                    for c, m in zip(probed, step, strict=True)
+                ]
+            )
+            timers.extend(c.get("timer_ns_per_call", 0) for c in probed)
             calls = ", ".join(f"{m} {k:.2f}" for m, k in probed[0]["calls_per_step"].items())
             screened = ", ".join(f"{m} {k:.1f}" for m, k in probed[0]["blocks_per_step"].items())
             guard.append(
                 f"| {wname} | {twin} | {interval(ratio)} | {interval(delta, 1)} "
                 f"| {interval(own, 2)} | {interval(audit, 2)} | {interval(share, 2)} "
-                f"| {calls} | {screened} |"
+                f"| {interval(both, 2)} | {calls} | {screened} |"
             )
             shims.append(median(c["shim_ns_per_call"] for c in probed))
         null = bootstrap_median([c["null_ns_per_step"] / 1e3 for c in costs])
@@ -393,12 +414,14 @@ def tables(data: dict[str, Any]) -> str:
         "the guard's own time, probed call by call (bench/scheduler.py: median of "
         f"{s['cost_reps']} probed runs per call, guard on less guard off, summed per step).",
         "",
-        "*audit µs/step*: the holder audit's own time, timed around it in the probed runs, and "
-        "its share of the step with the guard on.",
+        "*audit µs/step*: the holder audit's own time, timed around it in the probed runs (the "
+        f"timer's own, {median(timers):.0f} ns a call at the median, subtracted), and its share "
+        "of the step with the guard on; *guard + audit*: their sum's share of that step.",
         "",
         "| workload | twin | step, guard on / off | step Δ µs | guard µs/step | "
-        "audit µs/step | audit % of step | guarded calls/step | blocks screened/step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "audit µs/step | audit % of step | guard + audit % of step | guarded calls/step "
+        "| blocks screened/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *guard,
         "",
         "The probe's error: the null test (guard off, python's gaps less cython's, which should "

@@ -37,8 +37,10 @@ static inline unsigned int kvs_version(PyTypeObject *tp)
    would wait for each in turn. A hint only: no fault, no effect on what is read. */
 #if defined(__GNUC__) || defined(__clang__)
 #define KVS_PREFETCH(o) (__builtin_prefetch((char *)(o)), __builtin_prefetch((char *)(o) + 64))
+#define KVS_HINT(p) __builtin_prefetch(p)
 #else
 #define KVS_PREFETCH(o) ((void)(o))
+#define KVS_HINT(p) ((void)(p))
 #endif
 
 /* A ref_cnt as the screens compare it: 1 and its value in *out (clamped to Py_ssize_t)
@@ -70,6 +72,25 @@ static inline int kvs_count(PyObject *v, Py_ssize_t *out)
     else if (overflow < 0 || x < PY_SSIZE_T_MIN) x = PY_SSIZE_T_MIN;
     *out = (Py_ssize_t)x;
     return 1;
+}
+
+/* Ask for the holder index's entries of the block `ahead` places on in `blocks` (a list), whose
+   block_id its class keeps in the slot at `off` (the class `tp`'s): the count in `counts` and
+   the block in `pool_blocks`, both lists as long as the pool, read at random places. Only a
+   slot is read, no code runs; anything unusual asks for nothing. `tp` NULL: no class learned
+   yet (`off` is then not read). */
+static inline void kvs_hint_entries(PyObject *blocks, Py_ssize_t ahead, PyTypeObject *tp,
+                                    Py_ssize_t off, PyObject *counts, PyObject *pool_blocks)
+{
+    PyObject *block, *value;
+    Py_ssize_t id;
+    if (tp == NULL || ahead >= PyList_GET_SIZE(blocks)) return;
+    block = PyList_GET_ITEM(blocks, ahead);
+    if (Py_TYPE(block) != tp || off < 0) return;
+    value = KVS_SLOT(block, off);
+    if (value == NULL || !PyLong_CheckExact(value) || !kvs_count(value, &id) || id < 0) return;
+    if (id < PyList_GET_SIZE(counts)) KVS_HINT(((PyListObject *)counts)->ob_item + id);
+    if (id < PyList_GET_SIZE(pool_blocks)) KVS_HINT(((PyListObject *)pool_blocks)->ob_item + id);
 }
 
 #endif

@@ -83,6 +83,10 @@ cdef extern from "_screen.h":
     unsigned int kvs_version(PyTypeObject *tp)
     PyObject *KVS_SLOT(PyObject *o, Py_ssize_t off)
     void KVS_PREFETCH(PyObject *o)
+    void kvs_hint_entries(
+        object blocks, Py_ssize_t ahead, PyTypeObject *tp, Py_ssize_t off, object counts,
+        object pool_blocks,
+    )
     bint kvs_count(PyObject *v, Py_ssize_t *out)
 
 
@@ -340,7 +344,8 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
 # it allocated, as first_excess's is.
 cdef enum:
     _STACK_SLOTS = 64
-    # How many blocks ahead of its reads a pass over a batch asks for a block's memory.
+    # How many blocks ahead of its reads a pass over a batch asks for the index's entries of a
+    # block; for the block's own memory, twice as many.
     _AHEAD = 4
 
 
@@ -377,8 +382,12 @@ cdef bint _passes_free(list blocks, object pool, list counts, list pool_blocks) 
         # The length is read again each turn, as first_excess does; the table holds each
         # block it names (a read may run code that frees one and reuses its address).
         while i < len(blocks) and i < n:
-            if i + _AHEAD < PyList_GET_SIZE(blocks):
-                KVS_PREFETCH(PyList_GET_ITEM(blocks, i + _AHEAD))
+            if i + 2 * _AHEAD < PyList_GET_SIZE(blocks):
+                KVS_PREFETCH(PyList_GET_ITEM(blocks, i + 2 * _AHEAD))
+            if counts is not None:
+                kvs_hint_entries(
+                    blocks, i + _AHEAD, lay.type, lay.off[_BLOCK_ID], counts, pool_blocks
+                )
             block = blocks[i]
             i += 1
             if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
@@ -459,8 +468,8 @@ cdef bint _passes_touch(list blocks, object pool, list counts, list pool_blocks)
     cdef _Layout lay
     lay.type = NULL
     while i < len(blocks) and i < n:
-        if i + _AHEAD < PyList_GET_SIZE(blocks):
-            KVS_PREFETCH(PyList_GET_ITEM(blocks, i + _AHEAD))
+        if i + 2 * _AHEAD < PyList_GET_SIZE(blocks):
+            KVS_PREFETCH(PyList_GET_ITEM(blocks, i + 2 * _AHEAD))
         block = blocks[i]
         i += 1
         if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
@@ -680,10 +689,16 @@ def count_one(object block, list pool_blocks, list counts, object step):
 
 # count and count_one as C calls, for the tables' lists below, which count at every change.
 cdef int _count(object blocks, list pool_blocks, list counts, object step) except -1:
-    cdef Py_ssize_t block_id
+    cdef Py_ssize_t block_id, i = 0
     cdef _IdLayout lay
+    cdef bint listed = isinstance(blocks, list)  # a request's blocks, read ahead
     lay.type = NULL
     for block in blocks:
+        if listed:
+            if i + 2 * _AHEAD < PyList_GET_SIZE(blocks):
+                KVS_PREFETCH(PyList_GET_ITEM(blocks, i + 2 * _AHEAD))
+            kvs_hint_entries(blocks, i + _AHEAD, lay.type, lay.off, counts, pool_blocks)
+            i += 1
         block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
         if block_id >= 0:
             _add(counts, block_id, step)
