@@ -511,6 +511,27 @@ def test_a_fault_made_after_the_audit_is_met_in_the_same_step(
     consistent(pool)
 
 
+def test_a_pools_new_index_is_the_one_its_door_and_exit_read(queue_mod: ModuleType) -> None:
+    """A pool whose block list is replaced gets a new index with its next manager: its door
+    is given it, and the free list's exit reads that one (a count it holds out of any table's
+    sight sends the hand-out to the guard in full, which finds the index stale)."""
+    for pool, _manager in exit_pool(queue_mod, "raise", entry=True):
+        door = pool.free_block_queue.gate
+        first = _index.index_of(pool)
+        assert door.index is first
+        pool.blocks = list(pool.blocks)
+        FullAttentionManager(pool)
+        second = _index.index_of(pool)
+        assert second is not None
+        assert second is not first
+        assert door.index is second
+        head = pool.free_block_queue.fake_free_list_head
+        rebuilds = _report.index_rebuilds()
+        second.counts[head.next_free_block.block_id] += 1
+        assert len(pool.get_new_blocks(1)) == 1
+        assert _report.index_rebuilds() == rebuilds + 1
+
+
 def test_a_stale_index_is_no_fault(queue_mod: ModuleType, guarded_exit: Any) -> None:
     """A listing dropped out of the index's sight leaves its count behind: the exit finds
     no table that lists the block, counts again, and hands it out."""

@@ -404,9 +404,13 @@ class _Door:
 
 def door(pool: Any, index: _index.Index) -> None:
     """Give ``pool``'s queue (kvqueue's, without a gate) the free list's entry check, if
-    the pool's ``free_blocks`` is kvqueue's guard."""
+    the pool's ``free_blocks`` is kvqueue's guard; a door the pool's queue has already is
+    given ``index``, the pool's new one (the guards' passing paths read the index there)."""
     queue: Any = getattr(pool, "free_block_queue", None)
-    if _free_guard_of(pool) is not None and getattr(queue, "gate", _MISSING) is None:
+    gate = getattr(queue, "gate", _MISSING)
+    if type(gate) is _Door and gate.pool() is pool:
+        gate.index = index
+    elif _free_guard_of(pool) is not None and gate is None:
         queue.gate = _Door(pool, index)
 
 
@@ -460,7 +464,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
         guards: Any = made.screen
         made_here: Callable[..., Any] = guards.touch_guard(
-            original, slow, _index.INDEXES, own, weak
+            original, slow, _index.INDEXES, _Door, own, weak
         )
         return made_here
 
@@ -516,7 +520,7 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         return original(self, num_blocks, *args, **kwargs)
 
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
-        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes)
+        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes, _Door)
         return made_here
 
     return _adapter(made, line, alloc, passing)
