@@ -405,7 +405,7 @@ class _Door:
 def door(pool: Any, index: _index.Index) -> None:
     """Give ``pool``'s queue (kvqueue's, without a gate) the free list's entry check, if
     the pool's ``free_blocks`` is kvqueue's guard; a door the pool's queue has already is
-    given ``index``, the pool's new one (the guards' passing paths read the index there)."""
+    given ``index``, the pool's new one (a free reads the index there)."""
     queue: Any = getattr(pool, "free_block_queue", None)
     gate = getattr(queue, "gate", _MISSING)
     if type(gate) is _Door and gate.pool() is pool:
@@ -464,7 +464,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
         guards: Any = made.screen
         made_here: Callable[..., Any] = guards.touch_guard(
-            original, slow, _index.INDEXES, _Door, own, weak
+            original, slow, _index.INDEXES, own, weak
         )
         return made_here
 
@@ -520,7 +520,7 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         return original(self, num_blocks, *args, **kwargs)
 
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
-        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes, _Door)
+        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes)
         return made_here
 
     return _adapter(made, line, alloc, passing)

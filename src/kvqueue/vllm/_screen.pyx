@@ -517,24 +517,12 @@ cdef object _MISSING = object()
 cdef tuple _NO_INDEX = (None, None)
 
 
-cdef inline object _index_of(object pool, object queue, dict indexes, type door_type):
-    """``pool``'s holder index: its door's (the free list's entry of its ``queue``), else from
-    ``indexes`` (``id(pool)`` -> (weak reference, index)), else None. The door first: it is
-    the one object to read where the step has left these out of the processor's cache."""
-    door = getattr(queue, "gate", None)
-    if type(door) is door_type:
-        return door.index
-    entry = indexes.get(id(pool))
-    return entry[1] if entry is not None and entry[0]() is pool else None
-
-
-def alloc_guard(object original, object slow, dict indexes, type door_type):
+def alloc_guard(object original, object slow, dict indexes):
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
-    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index:
-    its queue's ``gate``'s where that is a ``door_type``, else in ``indexes``: ``id(pool)`` ->
-    (weak reference, index)), goes to vLLM's ``original`` as it is; every other call goes to
-    ``slow`` (the guard in full, which screens again and says what it finds). O(blocks asked
-    for)."""
+    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index
+    in ``indexes``: ``id(pool)`` -> (weak reference, index)), goes to vLLM's ``original`` as it
+    is; every other call goes to ``slow`` (the guard in full, which screens again and says what
+    it finds). O(blocks asked for)."""
 
     def get_new_blocks(self, num_blocks=_MISSING, /, *args, **kwargs):
         if type(num_blocks) is not int or args or kwargs:
@@ -545,7 +533,8 @@ def alloc_guard(object original, object slow, dict indexes, type door_type):
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            held = _index_of(self, queue, indexes, door_type)
+            entry = indexes.get(id(self))
+            held = entry[1] if entry is not None and entry[0]() is self else None
             counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
             if not _passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
                 return slow(self, num_blocks)
@@ -590,12 +579,10 @@ def free_guard(
     return free_blocks
 
 
-def touch_guard(
-    object original, object slow, dict indexes, type door_type, bint own, bint weak
-):
+def touch_guard(object original, object slow, dict indexes, bint own, bint weak):
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
     once, into a list, which is what vLLM is given) that :func:`passes_touch` passes (against
-    the pool's holder index, found as :func:`alloc_guard` finds it) go to vLLM's ``original``;
+    the pool's holder index in ``indexes``, as :func:`alloc_guard`'s) go to vLLM's ``original``;
     every other call goes to ``slow`` (the guard in full) with that list. ``own``: the blocks
     name their pool (vLLM 0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+).
     O(len(blocks))."""
@@ -608,7 +595,8 @@ def touch_guard(
         blocks = list(blocks)
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists.
-        held = _index_of(self, self.free_block_queue, indexes, door_type)
+        entry = indexes.get(id(self))
+        held = entry[1] if entry is not None and entry[0]() is self else None
         counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
         pool = self._weak_self if weak else self if own else None
         if _passes_touch(blocks, pool, counts, pool_blocks):

@@ -260,24 +260,12 @@ _MISSING: Any = object()
 _NO_INDEX: Any = (None, None)
 
 
-def _index_of(pool: Any, queue: Any, indexes: dict[int, Any], door_type: Any) -> Any:
-    """``pool``'s holder index: its door's (the free list's entry of its ``queue``), else from
-    ``indexes`` (``id(pool)`` -> (weak reference, index)), else None. The door first: it is
-    the one object to read where the step has left these out of the processor's cache."""
-    door: Any = getattr(queue, "gate", None)
-    if type(door) is door_type:
-        return door.index
-    entry = indexes.get(id(pool))
-    return entry[1] if entry is not None and entry[0]() is pool else None
-
-
-def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: Any) -> Any:
+def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
-    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index:
-    its queue's ``gate``'s where that is a ``door_type``, else in ``indexes``: ``id(pool)`` ->
-    (weak reference, index)), goes to vLLM's ``original`` as it is; every other call goes to
-    ``slow`` (the guard in full, which screens again and says what it finds). O(blocks asked
-    for)."""
+    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index
+    in ``indexes``: ``id(pool)`` -> (weak reference, index)), goes to vLLM's ``original`` as it
+    is; every other call goes to ``slow`` (the guard in full, which screens again and says what
+    it finds). O(blocks asked for)."""
 
     def get_new_blocks(self: Any, num_blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
         if type(num_blocks) is not int or args or kwargs:
@@ -288,7 +276,8 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: An
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            held = _index_of(self, queue, indexes, door_type)
+            entry = indexes.get(id(self))
+            held = entry[1] if entry is not None and entry[0]() is self else None
             counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
             if not passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
                 return slow(self, num_blocks)
@@ -297,12 +286,10 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: An
     return get_new_blocks
 
 
-def touch_guard(
-    original: Any, slow: Any, indexes: dict[int, Any], door_type: Any, own: bool, weak: bool
-) -> Any:
+def touch_guard(original: Any, slow: Any, indexes: dict[int, Any], own: bool, weak: bool) -> Any:
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
     once, into a list, which is what vLLM is given) that :func:`passes_touch` passes (against
-    the pool's holder index, found as :func:`alloc_guard` finds it) go to vLLM's ``original``;
+    the pool's holder index in ``indexes``, as :func:`alloc_guard`'s) go to vLLM's ``original``;
     every other call goes to ``slow`` (the guard in full) with that list. ``own``: the blocks
     name their pool (vLLM 0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+).
     O(len(blocks))."""
@@ -315,7 +302,8 @@ def touch_guard(
         blocks = list(blocks)
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists.
-        held = _index_of(self, self.free_block_queue, indexes, door_type)
+        entry = indexes.get(id(self))
+        held = entry[1] if entry is not None and entry[0]() is self else None
         counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
         pool = self._weak_self if weak else self if own else None
         if passes_touch(blocks, pool, counts, pool_blocks):
