@@ -307,6 +307,13 @@ def first_held_free(object head, Py_ssize_t n):
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
     whose ``ref_cnt`` is not 0 (or no int), or None; O(n). A link that is None ends
     the walk."""
+    return _first_unfit(head, n, None, None)
+
+
+cdef object _first_unfit(object head, Py_ssize_t n, list counts, list pool_blocks):
+    """The first of the ``n`` blocks after ``head`` that is held (a ``ref_cnt`` not 0, or
+    no int) or, ``counts`` given, listed; None if none is. Fields are read in the order
+    ``next_free_block``, ``ref_cnt``, ``block_id`` (``counts`` given), block by block."""
     cdef object block = head
     cdef Py_ssize_t refs
     cdef _Layout lay
@@ -319,6 +326,8 @@ def first_held_free(object head, Py_ssize_t n):
             return None
         value = _field(block, &lay, _REF_CNT, "ref_cnt")
         if not kvs_count(<PyObject *>value, &refs) or refs != 0:
+            return block
+        if counts is not None and _listed(block, &lay, counts, pool_blocks):
             return block
     return None
 
@@ -491,24 +500,7 @@ def passes_hand_out(object head, Py_ssize_t n, list counts, list pool_blocks):
 
     Fields are read in the order ``next_free_block``, ``ref_cnt``, ``block_id`` (``counts``
     given), block by block, up to the first that fails; a link that is None ends the walk."""
-    return _passes_hand_out(head, n, counts, pool_blocks)
-
-
-cdef bint _passes_hand_out(object head, Py_ssize_t n, list counts, list pool_blocks) except -1:
-    cdef object block = head
-    cdef Py_ssize_t refs
-    cdef _Layout lay
-    lay.type = NULL
-    for _ in range(n):
-        block = _field(block, &lay, _NEXT, "next_free_block")
-        if block is None:
-            return True
-        value = _field(block, &lay, _REF_CNT, "ref_cnt")
-        if not kvs_count(<PyObject *>value, &refs) or refs != 0:
-            return False
-        if counts is not None and _listed(block, &lay, counts, pool_blocks):
-            return False
-    return True
+    return _first_unfit(head, n, counts, pool_blocks) is None
 
 
 # Not a value a caller passes: a call without the first argument.
@@ -536,7 +528,7 @@ def alloc_guard(object original, object slow, dict indexes):
             entry = indexes.get(id(self))
             held = entry[1] if entry is not None and entry[0]() is self else None
             counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
-            if not _passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
+            if _first_unfit(queue.fake_free_list_head, num_blocks, counts, blocks) is not None:
                 return slow(self, num_blocks)
         return original(self, num_blocks)
 

@@ -150,6 +150,13 @@ def first_held_free(head: Any, n: int) -> Any:
     """The first of the ``n`` blocks after ``head`` (a free list's head sentinel)
     whose ``ref_cnt`` is not 0 (or no int), or None; O(n). A link that is None ends
     the walk."""
+    return _first_unfit(head, n, None, None)
+
+
+def _first_unfit(head: Any, n: int, counts: list[int] | None, pool_blocks: Any) -> Any:
+    """The first of the ``n`` blocks after ``head`` that is held (a ``ref_cnt`` not 0, or
+    no int) or, ``counts`` given, listed; None if none is. Fields are read in the order
+    ``next_free_block``, ``ref_cnt``, ``block_id`` (``counts`` given), block by block."""
     block = head
     for _ in range(n):
         block = block.next_free_block
@@ -161,6 +168,8 @@ def first_held_free(head: Any, n: int) -> Any:
         # A free block's count is the interpreter's one 0 object, the identity test the
         # quick way past it; any other value (an int, a 0 of a subclass or no int) is read.
         if refs is not _ZERO and _count(refs) != 0:
+            return block
+        if counts is not None and _listed(block, counts, pool_blocks):
             return block
     return None
 
@@ -241,17 +250,7 @@ def passes_hand_out(head: Any, n: int, counts: list[int] | None, pool_blocks: li
 
     Fields are read in the order ``next_free_block``, ``ref_cnt``, ``block_id`` (``counts``
     given), block by block, up to the first that fails; a link that is None ends the walk."""
-    block = head
-    for _ in range(n):
-        block = block.next_free_block
-        if block is None:
-            return True
-        refs = block.ref_cnt
-        if refs is not _ZERO and _count(refs) != 0:
-            return False
-        if counts is not None and _listed(block, counts, pool_blocks):
-            return False
-    return True
+    return _first_unfit(head, n, counts, pool_blocks) is None
 
 
 # Not a value a caller passes: a call without the first argument.
