@@ -74,20 +74,45 @@ static inline int kvs_count(PyObject *v, Py_ssize_t *out)
     return 1;
 }
 
-/* Ask for the holder index's entries of the block `ahead` places on in `blocks` (a list), whose
-   block_id its class keeps in the slot at `off` (the class `tp`'s): the count in `counts` and
-   the block in `pool_blocks`, both lists as long as the pool, read at random places. Only a
-   slot is read, no code runs; anything unusual asks for nothing. `tp` NULL: no class learned
-   yet (`off` is then not read). */
-static inline void kvs_hint_entries(PyObject *blocks, Py_ssize_t ahead, PyTypeObject *tp,
+/* How far ahead of a pass's reads its hints run, in blocks: a block's memory 3 * KVS_AHEAD
+   on, its block_id's int 2 * KVS_AHEAD on, the index's entries KVS_AHEAD on. Each stage reads
+   only what the one before asked for, so that no hint itself waits on memory. */
+#define KVS_AHEAD 4
+
+/* Ask for the memory of the blocks of `blocks` (a list) that a pass at place `i` reads
+   3 * KVS_AHEAD places on; at place 0, for the blocks before that too. */
+static inline void kvs_hint_blocks(PyObject *blocks, Py_ssize_t i)
+{
+    Py_ssize_t n = PyList_GET_SIZE(blocks), far = i + 3 * KVS_AHEAD, k;
+    if (i == 0)
+        for (k = 0; k < far && k < n; k++) KVS_PREFETCH(PyList_GET_ITEM(blocks, k));
+    if (far < n) KVS_PREFETCH(PyList_GET_ITEM(blocks, far));
+}
+
+/* The block_id of the block `ahead` places on in `blocks`, from its class's slot at `off`
+   (the class `tp`'s), or NULL; borrowed, only a slot read: no code runs. `tp` NULL: no
+   class learned yet (`off` is then not read). */
+static inline PyObject *kvs_id_ahead(PyObject *blocks, Py_ssize_t ahead, PyTypeObject *tp,
+                                     Py_ssize_t off)
+{
+    PyObject *block;
+    if (tp == NULL || off < 0 || ahead >= PyList_GET_SIZE(blocks)) return NULL;
+    block = PyList_GET_ITEM(blocks, ahead);
+    if (Py_TYPE(block) != tp) return NULL;
+    return KVS_SLOT(block, off);
+}
+
+/* At place `i` of a pass over `blocks`, ask for the int of the block_id 2 * KVS_AHEAD places
+   on, and for the holder index's entries of the block KVS_AHEAD places on: its count in
+   `counts` and its block in `pool_blocks`, both lists as long as the pool, read at random
+   places. Anything unusual asks for nothing. */
+static inline void kvs_hint_entries(PyObject *blocks, Py_ssize_t i, PyTypeObject *tp,
                                     Py_ssize_t off, PyObject *counts, PyObject *pool_blocks)
 {
-    PyObject *block, *value;
+    PyObject *value = kvs_id_ahead(blocks, i + 2 * KVS_AHEAD, tp, off);
     Py_ssize_t id;
-    if (tp == NULL || ahead >= PyList_GET_SIZE(blocks)) return;
-    block = PyList_GET_ITEM(blocks, ahead);
-    if (Py_TYPE(block) != tp || off < 0) return;
-    value = KVS_SLOT(block, off);
+    if (value != NULL) KVS_HINT(value);
+    value = kvs_id_ahead(blocks, i + KVS_AHEAD, tp, off);
     if (value == NULL || !PyLong_CheckExact(value) || !kvs_count(value, &id) || id < 0) return;
     if (id < PyList_GET_SIZE(counts)) KVS_HINT(((PyListObject *)counts)->ob_item + id);
     if (id < PyList_GET_SIZE(pool_blocks)) KVS_HINT(((PyListObject *)pool_blocks)->ob_item + id);

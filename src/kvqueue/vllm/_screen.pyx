@@ -82,9 +82,9 @@ cdef extern from "_screen.h":
     Py_ssize_t kvs_slot(PyTypeObject *tp, object name)
     unsigned int kvs_version(PyTypeObject *tp)
     PyObject *KVS_SLOT(PyObject *o, Py_ssize_t off)
-    void KVS_PREFETCH(PyObject *o)
+    void kvs_hint_blocks(object blocks, Py_ssize_t i)
     void kvs_hint_entries(
-        object blocks, Py_ssize_t ahead, PyTypeObject *tp, Py_ssize_t off, object counts,
+        object blocks, Py_ssize_t i, PyTypeObject *tp, Py_ssize_t off, object counts,
         object pool_blocks,
     )
     bint kvs_count(PyObject *v, Py_ssize_t *out)
@@ -353,9 +353,6 @@ def first_listed(object head, Py_ssize_t n, list counts, list pool_blocks):
 # it allocated, as first_excess's is.
 cdef enum:
     _STACK_SLOTS = 64
-    # How many blocks ahead of its reads a pass over a batch asks for the index's entries of a
-    # block; for the block's own memory, twice as many.
-    _AHEAD = 4
 
 
 def passes_free(list blocks, object pool, list counts, list pool_blocks):
@@ -391,12 +388,9 @@ cdef bint _passes_free(list blocks, object pool, list counts, list pool_blocks) 
         # The length is read again each turn, as first_excess does; the table holds each
         # block it names (a read may run code that frees one and reuses its address).
         while i < len(blocks) and i < n:
-            if i + 2 * _AHEAD < PyList_GET_SIZE(blocks):
-                KVS_PREFETCH(PyList_GET_ITEM(blocks, i + 2 * _AHEAD))
+            kvs_hint_blocks(blocks, i)
             if counts is not None:
-                kvs_hint_entries(
-                    blocks, i + _AHEAD, lay.type, lay.off[_BLOCK_ID], counts, pool_blocks
-                )
+                kvs_hint_entries(blocks, i, lay.type, lay.off[_BLOCK_ID], counts, pool_blocks)
             block = blocks[i]
             i += 1
             if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
@@ -477,8 +471,7 @@ cdef bint _passes_touch(list blocks, object pool, list counts, list pool_blocks)
     cdef _Layout lay
     lay.type = NULL
     while i < len(blocks) and i < n:
-        if i + 2 * _AHEAD < PyList_GET_SIZE(blocks):
-            KVS_PREFETCH(PyList_GET_ITEM(blocks, i + 2 * _AHEAD))
+        kvs_hint_blocks(blocks, i)
         block = blocks[i]
         i += 1
         if pool is not None and _field(block, &lay, _POOL, "pool") is not pool:
@@ -688,9 +681,8 @@ cdef int _count(object blocks, list pool_blocks, list counts, object step) excep
     lay.type = NULL
     for block in blocks:
         if listed:
-            if i + 2 * _AHEAD < PyList_GET_SIZE(blocks):
-                KVS_PREFETCH(PyList_GET_ITEM(blocks, i + 2 * _AHEAD))
-            kvs_hint_entries(blocks, i + _AHEAD, lay.type, lay.off, counts, pool_blocks)
+            kvs_hint_blocks(blocks, i)
+            kvs_hint_entries(blocks, i, lay.type, lay.off, counts, pool_blocks)
             i += 1
         block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
         if block_id >= 0:
