@@ -1,9 +1,11 @@
 """Time the pool guard's compiled screen of vLLM's free path against its build at another revision.
 
-Usage and method: bench/README.md. ``first_excess`` screens every ``free_blocks`` batch (the
-guard's most frequent screen by blocks, and the one that keeps a table of what it counted); a
-case is a batch of distinct blocks of one pool, each holding one reference, as a request's
-blocks come back. It times whatever ``kvqueue.vllm._screen`` imports against ``_screen`` at REV.
+Usage and method: bench/README.md. The screen is what every ``free_blocks`` batch passes on the
+guard's passing path (the guard's most frequent screen by blocks, and one that keeps a table of
+what it counted): ``passes_free`` without a holder index where a build has it, else the
+``first_excess`` it replaced, which checks the same. A case is a batch of distinct blocks of one
+pool, each holding one reference, as a request's blocks come back. It times whatever
+``kvqueue.vllm._screen`` imports against ``_screen`` at REV.
 """
 
 from __future__ import annotations
@@ -41,10 +43,15 @@ class Block:
     is_null: bool = False
 
 
-def _screen(name: str) -> Any:
+def _screen(name: str) -> tuple[Any, tuple[Any, ...], Any]:
+    """The build's free-path screen, what it is called with after ``(batch, pool)``, and what
+    it returns for a batch it passes."""
     rev = name.partition("@")[2]
     module = contenders.baseline_module(rev, "_screen") if rev else "kvqueue.vllm._screen"
-    return __import__(module, fromlist=["first_excess"]).first_excess
+    screens = __import__(module, fromlist=["first_excess"])
+    if hasattr(screens, "passes_free"):
+        return screens.passes_free, (None, None), True
+    return screens.first_excess, (), -1
 
 
 def measure(job: dict[str, Any]) -> dict[str, Any]:
@@ -56,16 +63,17 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     blocks = [Block(i, ref_cnt=1, pool=owner) for i in range(POOL)]
     rng.shuffle(blocks)
     batch = blocks[: job["batch"]]
-    for name, screen in screens.items():
-        if screen(batch, owner) != -1:
-            raise SystemExit(f"{name}: first_excess found a misuse in a valid batch")
+    for name, (screen, extra, passed) in screens.items():
+        if screen(batch, owner, *extra) != passed:
+            raise SystemExit(f"{name}: {screen.__name__} found a misuse in a valid batch")
     gc.collect()
     gc.freeze()
 
-    def timed(screen: Any, loops: int) -> int:
+    def timed(called: tuple[Any, tuple[Any, ...], Any], loops: int) -> int:
+        screen, extra, _ = called
         started = clock()
         for _ in range(loops):
-            screen(batch, owner)
+            screen(batch, owner, *extra)
         return clock() - started
 
     current = screens[job["contenders"][-1]]
@@ -103,7 +111,7 @@ def main() -> None:
     clock = "cpu" if args.cpu_time else "wall"
     rng = random.Random(0)
     jobs = [
-        {"batch": batch, "label": f"round {round_ + 1} first_excess x{batch}",
+        {"batch": batch, "label": f"round {round_ + 1} free screen x{batch}",
          "seed": rng.randrange(2**32), "contenders": names, "samples": samples, "clock": clock,
          "target_ns": int(sample_ms * 1e6)}
         for round_ in range(processes)
@@ -118,8 +126,10 @@ def main() -> None:
         "records": records,
     }  # fmt: skip
     path = launch.save(results, args.out, "screens")
+    kinds = {n: _screen(n)[0].__name__ for n in names}
     print(
-        f"`first_excess` (the compiled screen of `free_blocks`), `cython` against `{old}` "
+        f"The compiled screen of `free_blocks`' passing path (`cython`: `{kinds['cython']}`; "
+        f"`{old}`: `{kinds[old]}`), `cython` against `{old}` "
         f"(median of {processes} processes x {samples} samples, [bootstrap 95% interval]) · "
         f"median time per call. Timed by the {'thread CPU time' if clock == 'cpu' else 'wall'}"
         f" clock.\n{short(described)}\n"
