@@ -46,6 +46,7 @@ from typing import Any
 
 from .. import _errors, _log, _policy, _render
 from . import _index, _registry, _report, _rules
+from ._own import own_attribute
 
 __all__ = ("audit_holders", "enter", "hand_out", "release", "touch_listed")
 
@@ -480,7 +481,7 @@ def _by_manager(index: _index.Index) -> bool:
     ``index``'s tables. O(1)."""
     frame = _report.caller()
     owner = None if frame is None else frame.f_locals.get("self")
-    table = getattr(owner, "__dict__", {}).get("req_to_blocks")
+    table = own_attribute(owner, "req_to_blocks")
     return table is not None and type(table) is index.screen.Table and table.tally is index
 
 

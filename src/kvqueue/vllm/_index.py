@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from . import _screen_py
+from ._own import own_attribute
 
 __all__ = (
     "INDEXES",
@@ -176,12 +177,11 @@ def adopt(
     without a pool's block list, or a table of another kind keeps its own. ``on_index`` is
     handed each pool and its index when the index is made; ``screen``: the screens the index
     counts with (the pool guard's, of the twin its queue is)."""
-    own = vars(manager)
-    table = own.get("req_to_blocks")
-    pool = own.get("block_pool")
+    table = own_attribute(manager, "req_to_blocks")
+    pool = own_attribute(manager, "block_pool")
     if type(table) is not defaultdict or unpins(type(manager)):
         return
-    blocks = vars(pool).get("blocks") if hasattr(pool, "__dict__") else None
+    blocks = own_attribute(pool, "blocks")
     if type(blocks) is not list:
         return
     index = index_of(pool)

@@ -32,6 +32,7 @@ from typing import Any
 
 from .. import _block, _errors
 from . import _report
+from ._own import own_attribute
 
 __all__ = ("FreePlan", "alloc", "free", "in_pool", "once_each", "ref_count", "touch")
 
@@ -112,7 +113,7 @@ def in_pool(pool: Any, block: Any) -> bool:
     """Before vLLM 0.30 a block names no pool: it is the pool's own if the pool's list holds
     it at its id. vLLM's tests free blocks they made outside any pool, which keep vLLM's
     handling (the screens, which count every block, only send such a call here)."""
-    blocks = vars(pool).get("blocks") if hasattr(pool, "__dict__") else None
+    blocks = own_attribute(pool, "blocks")
     block_id = block.block_id
     return (
         type(blocks) is list

@@ -32,6 +32,8 @@ import weakref
 from collections import defaultdict
 from weakref import ReferenceType
 
+from ._own import own_attribute
+
 __all__ = (
     "HOLDER_FAULTS",
     "NO_POOL",
@@ -1116,7 +1118,7 @@ cdef class Table(dict):
 
     def in_place(self):
         manager = self.manager()
-        return manager is not None and vars(manager).get("req_to_blocks") is self
+        return manager is not None and own_attribute(manager, "req_to_blocks") is self
 
     def __setitem__(self, request, blocks):
         if type(blocks) is Listed and blocks.tally is None:  # detached: counted again

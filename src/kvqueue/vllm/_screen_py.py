@@ -29,6 +29,7 @@ from typing import Any, SupportsIndex
 from weakref import ReferenceType
 
 from .._block import is_subtype
+from ._own import own_attribute
 
 __all__ = (
     "HOLDER_FAULTS",
@@ -652,7 +653,7 @@ class Table(dict):  # type: ignore[type-arg]
 
     def in_place(self) -> bool:
         manager = self.manager()
-        return manager is not None and vars(manager).get("req_to_blocks") is self
+        return manager is not None and own_attribute(manager, "req_to_blocks") is self
 
     def __setitem__(self, request: Any, blocks: Any) -> None:
         if type(blocks) is Listed and blocks.tally is None:  # detached: counted again
