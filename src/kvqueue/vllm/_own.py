@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._block import MISSING, lookup
+
 __all__ = ["own_attribute"]
 
-# Read through type's own descriptors: a metaclass's overrides of these run no code here.
-_mro = type.__dict__["__mro__"].__get__
-_namespace = type.__dict__["__dict__"].__get__
 _read = object.__getattribute__
 
 
@@ -23,14 +22,13 @@ def own_attribute(obj: object, name: str) -> Any:
     """``vars(obj).get(name)``, or None where ``obj`` has no ``__dict__``, without asking for
     the ``__dict__`` where no class of ``obj`` names ``name`` (nothing else could then answer
     for it); runs no code of ``obj``'s there. O(classes in ``type(obj)``'s MRO)."""
-    for klass in _mro(type(obj)):
-        if name in _namespace(klass):
-            # A class's attribute of that name is read before, or instead of, the object's:
-            # the object's own is only in its __dict__.
-            try:
-                return vars(obj).get(name)
-            except TypeError:  # no __dict__
-                return None
+    if lookup(type(obj), name) is not MISSING:
+        # A class's attribute of that name is read before, or instead of, the object's: the
+        # object's own is only in its __dict__.
+        try:
+            return vars(obj).get(name)
+        except TypeError:  # no __dict__
+            return None
     try:
         return _read(obj, name)
     except AttributeError:
