@@ -723,6 +723,7 @@ def test_passes_free_sends_the_unusual_to_the_full_guard(screen: ModuleType) -> 
     assert screen.passes_free([block], POOL, [1], [block]) is True
     assert screen.passes_free([block], POOL, [_Count(1)], [block]) is True
     assert screen.passes_free([block], POOL, [_Count(2)], [block]) is False
+    assert screen.passes_free([block], POOL, [_Count(0)], [block]) is True  # a 0 of a subclass
     assert screen.passes_free([block], POOL, ["one"], [block]) is False
     assert screen.passes_free([block], POOL, ["one"], [IdBlock(0)]) is True  # not this block
     assert screen.passes_free([block], None, None, None) is True  # a line without pools
@@ -772,6 +773,10 @@ def test_passes_touch_sends_the_unusual_to_the_full_guard(screen: ModuleType) ->
     assert screen.passes_touch([block], POOL, [0], [block]) is True
     assert screen.passes_touch([block], POOL, [1], [block]) is False  # listed and free
     assert screen.passes_touch([block], OTHER, None, None) is False  # another pool's
+    block.block_id = _Count(0)  # an id of an int subclass is read by its value
+    assert screen.passes_touch([block], POOL, [1], [block]) is False
+    assert screen.passes_touch([block], POOL, [_Count(0)], [block]) is True
+    block.block_id = 0
     block.ref_cnt = _Count(1)
     assert screen.first_negative([block], POOL) == -1
     assert screen.passes_touch([block], POOL, None, None) is False

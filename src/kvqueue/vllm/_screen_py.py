@@ -170,7 +170,7 @@ def _first_unfit(head: Any, n: int, counts: list[int] | None, pool_blocks: Any) 
         # quick way past it; any other value (an int, a 0 of a subclass or no int) is read.
         if refs is not _ZERO and _count(refs) != 0:
             return block
-        if counts is not None and _listed(block, counts, pool_blocks):
+        if counts is not None and _listed_as(block, block.block_id, counts, pool_blocks):
             return block
     return None
 
@@ -213,10 +213,26 @@ def passes_free(
         refs = block.ref_cnt
         if type(refs) is not int or refs < 1:
             return False
-        if counts is not None:
-            listed = _count(_own_listings(block, counts, pool_blocks))
-            if listed is None or refs <= listed:
-                return False
+        if counts is None:
+            continue
+        # _own_listings inlined: a free passes it for each block. A count of 0 is the
+        # interpreter's one 0 object (the index adds and takes exact ints), the quick way past.
+        try:
+            block_id = block.block_id
+        except AttributeError:  # read as none, as _own_listings does
+            continue
+        if type(block_id) is not int or not 0 <= block_id < len(counts):
+            continue
+        if counts[block_id] is _ZERO:
+            continue
+        listed = _count(counts[block_id])
+        if (
+            listed != 0
+            and block_id < len(pool_blocks)
+            and pool_blocks[block_id] is block
+            and (listed is None or refs <= listed)
+        ):
+            return False
     return True
 
 
@@ -239,7 +255,11 @@ def passes_touch(
         refs = block.ref_cnt
         if type(refs) is not int or refs < 0:
             return False
-        if refs == 0 and counts is not None and _listed(block, counts, pool_blocks):
+        if (
+            refs == 0
+            and counts is not None
+            and _listed_as(block, block.block_id, counts, pool_blocks)
+        ):
             return False
     return True
 
@@ -351,7 +371,16 @@ def free_guard(
 def _listed(block: Any, counts: list[int], pool_blocks: list[Any]) -> bool:
     """Whether ``block`` is ``pool_blocks[block_id]`` and ``counts[block_id]`` (the holder
     index's) is not 0."""
-    block_id = _count(block.block_id)
+    return _listed_as(block, block.block_id, counts, pool_blocks)
+
+
+def _listed_as(block: Any, block_id: Any, counts: list[int], pool_blocks: list[Any]) -> bool:
+    """:func:`_listed` of ``block``, its ``block_id`` read as ``block_id``."""
+    # The quick way past a block no request lists: an exact int within counts, whose count
+    # is the interpreter's one 0 object.
+    if type(block_id) is int and 0 <= block_id < len(counts) and counts[block_id] is _ZERO:
+        return False
+    block_id = _count(block_id)
     if block_id is None or block_id < 0:
         return False
     if block_id >= len(counts) or block_id >= len(pool_blocks):
