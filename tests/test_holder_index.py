@@ -15,6 +15,7 @@ import pickle
 import random
 import sys
 import tracemalloc
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
@@ -509,6 +510,28 @@ def test_a_fault_made_after_the_audit_is_met_in_the_same_step(
     _audit.audit_holders(kv, screen_of(queue_mod), policy_of, 64)  # nothing left to find
     assert _report.pool_repairs(pool)["listed_free"] == 1
     consistent(pool)
+
+
+@pytest.mark.parametrize("door", ["own", "another pool's", "none"])
+def test_the_exit_finds_the_pools_index_by_its_door_or_its_table(
+    queue_mod: ModuleType, door: str
+) -> None:
+    """The free list's exit and a prefix hit read the pool's index through its queue's door,
+    else (no door, or a door of another pool) through the table of indexes: the same index,
+    the same refusal, before anything moves."""
+    for pool, manager in exit_pool(queue_mod, "raise", entry=door != "none"):
+        other = make_pool(type(pool), queue_mod, 2, "raise")
+        if door == "another pool's":
+            pool.free_block_queue.gate.pool = weakref.ref(other)
+        queue = pool.free_block_queue
+        block = queue.fake_free_list_head.next_free_block
+        manager.req_to_blocks["A"].append(block)  # listed, and still free
+        before = state(pool)
+        with raises_said(_errors.HolderAuditError, f"hand out block {block.block_id},"):
+            pool.get_new_blocks(queue.num_free_blocks)
+        with raises_said(_errors.HolderAuditError, f"block {block.block_id}"):
+            pool.touch([block])
+        assert state(pool) == before
 
 
 def test_a_pools_new_index_is_the_one_its_door_and_exit_read(queue_mod: ModuleType) -> None:

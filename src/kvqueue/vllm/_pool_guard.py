@@ -464,7 +464,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
         guards: Any = made.screen
         made_here: Callable[..., Any] = guards.touch_guard(
-            original, slow, _index.INDEXES, own, weak
+            original, slow, _index.INDEXES, _Door, own, weak
         )
         return made_here
 
@@ -520,7 +520,7 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         return original(self, num_blocks, *args, **kwargs)
 
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
-        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes)
+        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes, _Door)
         return made_here
 
     return _adapter(made, line, alloc, passing)

@@ -504,12 +504,24 @@ cdef object _MISSING = object()
 cdef tuple _NO_INDEX = (None, None)
 
 
-def alloc_guard(object original, object slow, dict indexes):
+cdef object _pool_index(object pool, object queue, type door_type, dict indexes):
+    """``pool``'s holder index: its queue's door's (a ``door_type`` of ``pool``, which holds
+    the pool's index), else the one in ``indexes`` (``id(pool)`` -> (weak reference, index)),
+    else None. The door first: it reads two objects, where the table reads four and makes an int."""
+    door = getattr(queue, "gate", None)
+    if type(door) is door_type and door.pool() is pool:
+        return door.index
+    entry = indexes.get(id(pool))
+    return entry[1] if entry is not None and entry[0]() is pool else None
+
+
+def alloc_guard(object original, object slow, dict indexes, type door_type):
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
-    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index
-    in ``indexes``: ``id(pool)`` -> (weak reference, index)), goes to vLLM's ``original`` as it
-    is; every other call goes to ``slow`` (the guard in full, which screens again and says what
-    it finds). O(blocks asked for)."""
+    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index:
+    its queue's door's, a ``door_type``, else the one in ``indexes``: ``id(pool)`` -> (weak
+    reference, index)), goes to vLLM's ``original`` as it is; every other call goes to
+    ``slow`` (the guard in full, which screens again and says what it finds). O(blocks asked
+    for)."""
 
     def get_new_blocks(self, num_blocks=_MISSING, /, *args, **kwargs):
         if type(num_blocks) is not int or args or kwargs:
@@ -520,8 +532,7 @@ def alloc_guard(object original, object slow, dict indexes):
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            entry = indexes.get(id(self))
-            held = entry[1] if entry is not None and entry[0]() is self else None
+            held = _pool_index(self, queue, door_type, indexes)
             counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
             if _first_unfit(queue.fake_free_list_head, num_blocks, counts, blocks) is not None:
                 return slow(self, num_blocks)
@@ -566,10 +577,12 @@ def free_guard(
     return free_blocks
 
 
-def touch_guard(object original, object slow, dict indexes, bint own, bint weak):
+def touch_guard(
+    object original, object slow, dict indexes, type door_type, bint own, bint weak
+):
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
     once, into a list, which is what vLLM is given) that :func:`passes_touch` passes (against
-    the pool's holder index in ``indexes``, as :func:`alloc_guard`'s) go to vLLM's ``original``;
+    the pool's holder index, found as :func:`alloc_guard` finds it) go to vLLM's ``original``;
     every other call goes to ``slow`` (the guard in full) with that list. ``own``: the blocks
     name their pool (vLLM 0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+).
     O(len(blocks))."""
@@ -582,8 +595,7 @@ def touch_guard(object original, object slow, dict indexes, bint own, bint weak)
         blocks = list(blocks)
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists.
-        entry = indexes.get(id(self))
-        held = entry[1] if entry is not None and entry[0]() is self else None
+        held = _pool_index(self, self.free_block_queue, door_type, indexes)
         counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
         pool = self._weak_self if weak else self if own else None
         if _passes_touch(blocks, pool, counts, pool_blocks):

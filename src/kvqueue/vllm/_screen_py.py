@@ -280,12 +280,24 @@ _MISSING: Any = object()
 _NO_INDEX: Any = (None, None)
 
 
-def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
+def _pool_index(pool: Any, queue: Any, door_type: Any, indexes: dict[int, Any]) -> Any:
+    """``pool``'s holder index: its queue's door's (a ``door_type`` of ``pool``, which holds
+    the pool's index), else the one in ``indexes`` (``id(pool)`` -> (weak reference, index)),
+    else None. The door first: it reads two objects, where the table reads four and makes an int."""
+    door: Any = getattr(queue, "gate", None)
+    if type(door) is door_type and door.pool() is pool:
+        return door.index
+    entry = indexes.get(id(pool))
+    return entry[1] if entry is not None and entry[0]() is pool else None
+
+
+def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: Any) -> Any:
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
-    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index
-    in ``indexes``: ``id(pool)`` -> (weak reference, index)), goes to vLLM's ``original`` as it
-    is; every other call goes to ``slow`` (the guard in full, which screens again and says what
-    it finds). O(blocks asked for)."""
+    int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index:
+    its queue's door's, a ``door_type``, else the one in ``indexes``: ``id(pool)`` -> (weak
+    reference, index)), goes to vLLM's ``original`` as it is; every other call goes to
+    ``slow`` (the guard in full, which screens again and says what it finds). O(blocks asked
+    for)."""
 
     def get_new_blocks(self: Any, num_blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
         if type(num_blocks) is not int or args or kwargs:
@@ -296,8 +308,7 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            entry = indexes.get(id(self))
-            held = entry[1] if entry is not None and entry[0]() is self else None
+            held = _pool_index(self, queue, door_type, indexes)
             counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
             if not passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
                 return slow(self, num_blocks)
@@ -306,10 +317,12 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
     return get_new_blocks
 
 
-def touch_guard(original: Any, slow: Any, indexes: dict[int, Any], own: bool, weak: bool) -> Any:
+def touch_guard(
+    original: Any, slow: Any, indexes: dict[int, Any], door_type: Any, own: bool, weak: bool
+) -> Any:
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
     once, into a list, which is what vLLM is given) that :func:`passes_touch` passes (against
-    the pool's holder index in ``indexes``, as :func:`alloc_guard`'s) go to vLLM's ``original``;
+    the pool's holder index, found as :func:`alloc_guard` finds it) go to vLLM's ``original``;
     every other call goes to ``slow`` (the guard in full) with that list. ``own``: the blocks
     name their pool (vLLM 0.30+); ``weak``: by the pool's ``_weak_self`` (0.34+).
     O(len(blocks))."""
@@ -322,8 +335,7 @@ def touch_guard(original: Any, slow: Any, indexes: dict[int, Any], own: bool, we
         blocks = list(blocks)
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists.
-        entry = indexes.get(id(self))
-        held = entry[1] if entry is not None and entry[0]() is self else None
+        held = _pool_index(self, self.free_block_queue, door_type, indexes)
         counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
         pool = self._weak_self if weak else self if own else None
         if passes_touch(blocks, pool, counts, pool_blocks):
