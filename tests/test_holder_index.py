@@ -534,6 +534,16 @@ def test_the_exit_finds_the_pools_index_by_its_door_or_its_table(
         assert state(pool) == before
 
 
+def test_a_prefix_hit_on_a_pool_without_a_queue_is_vllms(queue_mod: ModuleType) -> None:
+    """The touch guard looks for the pool's door on its queue: a pool without one (vLLM's
+    ``touch`` reads it only for a free block) touches held blocks as vLLM's method does."""
+    for pool, _manager in exit_pool(queue_mod, "raise", entry=True):
+        blocks = pool.get_new_blocks(2)
+        del pool.free_block_queue
+        pool.touch(blocks)
+        assert [block.ref_cnt for block in blocks] == [2, 2]
+
+
 def test_a_pools_new_index_is_the_one_its_door_and_exit_read(queue_mod: ModuleType) -> None:
     """A pool whose block list is replaced gets a new index with its next manager: its door
     is given it, and the free list's exit reads that one (a count it holds out of any table's

@@ -594,8 +594,8 @@ def touch_guard(
             return slow(self, blocks, *args, **kwargs)
         blocks = list(blocks)
         # A prefix hit takes a block out of the free list's middle: not one a live request
-        # lists.
-        held = _pool_index(self, self.free_block_queue, door_type, indexes)
+        # lists. The queue read as vLLM's touch may never read it (only for a free block).
+        held = _pool_index(self, getattr(self, "free_block_queue", None), door_type, indexes)
         counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
         pool = self._weak_self if weak else self if own else None
         if _passes_touch(blocks, pool, counts, pool_blocks):
