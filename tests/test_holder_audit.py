@@ -291,7 +291,7 @@ def test_a_free_no_python_code_called_is_kept_from_an_unknown_site(queue_mod: Mo
         while queue.num_free_blocks < free and time.monotonic() < deadline:
             time.sleep(0.01)
         assert queue.num_free_blocks == free
-    assert _report.last_freed(taken[0]) == "unknown"
+    assert _report.last_freed(taken[0]) == "by a free called from unknown"
 
 
 def test_repair_keeps_the_block_with_its_holder(queue_mod: ModuleType, repair_log: Any) -> None:

@@ -438,15 +438,22 @@ def guarded_exit(queue_mod: ModuleType, request: pytest.FixtureRequest) -> Itera
 def test_a_free_is_kept_with_its_caller_and_read_again_only_unchecked(
     queue_mod: ModuleType, entry: bool
 ) -> None:
-    """A free the holder index checked (the free list's entry is kvqueue's) is named by its
-    caller's file and line, and not read again by the audit; one it did not check is."""
+    """A free the holder index did not check is kept with its caller's file and line, and read
+    again by the audit; one it checked (the free list's entry is kvqueue's) is kept as that,
+    without its caller (making the caller's frame object is the dearest part of a free), and
+    not read again."""
     for pool, _manager in exit_pool(queue_mod, "raise", entry=entry):
         blocks = pool.get_new_blocks(2)
         made = _report.frees_made()
         line = sys._getframe().f_lineno + 1
         pool.free_blocks(blocks)
         site = f"tests/test_holder_index.py:{line} in test_a_free_is_kept_with_its_caller_and"
-        assert (_report.last_freed(blocks[1]) or "").endswith(site + "_read_again_only_unchecked")
+        how = _report.last_freed(blocks[1]) or ""
+        if entry:
+            assert how == "by a guarded free the holder index passed"
+        else:
+            assert how.startswith("by a free called from ")
+            assert how.endswith(site + "_read_again_only_unchecked")
         assert _report.frees_made() == made + (not entry)
 
 

@@ -546,5 +546,5 @@ def _request(request: Any) -> str:
 
 
 def _released(block: Any) -> str:
-    site = _report.last_freed(block)
-    return f"It was last released by a free called from {site}. " if site else ""
+    how = _report.last_freed(block)
+    return f"It was last released {how}. " if how else ""
