@@ -43,6 +43,26 @@ static inline unsigned int kvs_version(PyTypeObject *tp)
 #define KVS_HINT(p) ((void)(p))
 #endif
 
+/* Whether `ref` is a weak reference (weakref.ref exactly) to `obj`, read without a call
+   (a door's check of its pool at every allocation and prefix hit); never raises. */
+static inline int kvs_refers_to(PyObject *ref, PyObject *obj)
+{
+    if (!PyWeakref_CheckRefExact(ref))
+        return 0;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *got = NULL;
+    if (PyWeakref_GetRef(ref, &got) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = got == obj;
+    Py_XDECREF(got);
+    return same;
+#else
+    return PyWeakref_GET_OBJECT(ref) == obj;
+#endif
+}
+
 /* A ref_cnt as the screens compare it: 1 and its value in *out (clamped to Py_ssize_t)
    for an int or an int subclass, read as int (no __index__ or other code of its own
    runs); 0 for anything else, which the guard refuses. Inline for a small exact int, the

@@ -90,6 +90,7 @@ cdef extern from "_screen.h":
         object pool_blocks,
     )
     bint kvs_count(PyObject *v, Py_ssize_t *out)
+    bint kvs_refers_to(object ref, object obj)
 
 
 cdef struct _Seen:
@@ -507,9 +508,10 @@ cdef tuple _NO_INDEX = (None, None)
 cdef object _pool_index(object pool, object queue, type door_type, dict indexes):
     """``pool``'s holder index: its queue's door's (a ``door_type`` of ``pool``, which holds
     the pool's index), else the one in ``indexes`` (``id(pool)`` -> (weak reference, index)),
-    else None. The door first: it reads two objects, where the table reads four and makes an int."""
+    else None. The door first: it reads two objects, where the table reads four and makes an
+    int; its weak reference (a ``weakref.ref`` exactly) read as the pool's, not called."""
     door = getattr(queue, "gate", None)
-    if type(door) is door_type and door.pool() is pool:
+    if type(door) is door_type and kvs_refers_to(door.pool, pool):
         return door.index
     entry = indexes.get(id(pool))
     return entry[1] if entry is not None and entry[0]() is pool else None

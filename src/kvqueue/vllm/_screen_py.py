@@ -283,10 +283,13 @@ _NO_INDEX: Any = (None, None)
 def _pool_index(pool: Any, queue: Any, door_type: Any, indexes: dict[int, Any]) -> Any:
     """``pool``'s holder index: its queue's door's (a ``door_type`` of ``pool``, which holds
     the pool's index), else the one in ``indexes`` (``id(pool)`` -> (weak reference, index)),
-    else None. The door first: it reads two objects, where the table reads four and makes an int."""
+    else None. The door first: it reads two objects, where the table reads four and makes an
+    int; its weak reference (a ``weakref.ref`` exactly) read as the pool's, not called."""
     door: Any = getattr(queue, "gate", None)
-    if type(door) is door_type and door.pool() is pool:
-        return door.index
+    if type(door) is door_type:
+        ref = door.pool
+        if type(ref) is ReferenceType and ref() is pool:
+            return door.index
     entry = indexes.get(id(pool))
     return entry[1] if entry is not None and entry[0]() is pool else None
 
