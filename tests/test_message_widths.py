@@ -51,7 +51,10 @@ POOL = BlockPool()
 WHERE = _from_vllm(POOL, _report.where)
 BLOCK = _report.named(KVCacheBlock(1_048_575))
 CALL = _report.call("get_new_blocks")
-RELEASED = f"It was last released by a free called from {WHERE.partition('from ')[2]}. "
+RELEASED = (
+    "The last release of it no holder index checked was a free called from "
+    f"{WHERE.partition('from ')[2]}. "
+)
 
 
 def _held(refs: int) -> KVCacheBlock:

@@ -546,5 +546,7 @@ def _request(request: Any) -> str:
 
 
 def _released(block: Any) -> str:
-    how = _report.last_freed(block)
-    return f"It was last released {how}. " if how else ""
+    site = _report.last_freed(block)
+    if site is None:
+        return ""
+    return f"The last release of it no holder index checked was a free called from {site}. "

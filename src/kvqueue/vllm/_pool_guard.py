@@ -350,8 +350,9 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
             return screened(self, blocks, args, kwargs, None)
         # A free screened here passes the free list's entry: its releases are checked here
         # against the holder index, before vLLM's method moves a count (so the audit need not
-        # read them again).
-        freed(blocks, releases)
+        # read them again, nor name them).
+        if not releases:
+            freed(blocks)
         door.freeing += 1
         try:
             return screened(self, blocks, args, kwargs, door.index if releases else None)

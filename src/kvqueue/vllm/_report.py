@@ -61,16 +61,17 @@ _events: dict[tuple[str, str, str], int] = {}
 _watcher: list[Callable[[str, str, str, int], None]] = []
 _REBUILT = ("rebuilt", _registry.AUDIT_HOOK, "index_stale")
 
-# The last frees the guard passed, newest last: (the blocks, the caller's code and the byte
-# offset of its call), or (the blocks, None, _CHECKED) for a free the holder index checked.
-# The audit names the one that last released a block it finds shared; a step frees far
-# fewer batches than this.
+# The last frees the guard passed that no holder index checked, newest last: (the blocks, the
+# caller's code and the byte offset of its call). The audit names the one that last released a
+# block it finds shared; a step frees far fewer batches than this. A free the index checked is
+# not kept: it is named as it is made whenever it is a fault the index can see, and keeping it
+# would cost its caller's frame object (made only when asked: 2 µs of a free in a scheduler
+# step) and, once it leaves the ring, a write to each of its blocks, long out of the cache.
 _FREES = 4096
 _frees: collections.deque[tuple[list[Any], Any, int]] = collections.deque(maxlen=_FREES)
-_CHECKED = -1
-# Of those, the blocks of the frees no holder index checked as they released (a pool without
-# one, HiSparse's unpins): what the audit reads between its full reads. A free the index
-# checked left no block it released listed and free, or under-counted.
+# Their blocks (a pool without an index, HiSparse's unpins): what the audit reads between its
+# full reads. A free the index checked left no block it released listed and free, or
+# under-counted.
 _unchecked: collections.deque[list[Any]] = collections.deque(maxlen=_FREES)
 # kvqueue's own: the guard, its rules, the audit, this module and the queue's pure twin calling
 # its gate, the frames between a checked call and the code that made it.
@@ -182,17 +183,12 @@ def log_notes(notes: list[Note]) -> None:
         )
 
 
-def freed(blocks: list[Any], checked: bool = False, depth: int = _FREE_DEPTH) -> None:
-    """Keep a guarded free of ``blocks`` for :func:`last_freed`: with its caller, unless the
-    holder index ``checked`` its releases; then not for :func:`recent_frees` either. Called by
-    the free guard alone: the ``depth - 1`` frames above this one are the guard's.
-    O(kvqueue's frames)."""
-    if checked:
-        # A caller is found by making its frame object (the interpreter makes them only when
-        # asked), about 2 µs a free in a scheduler step; such a free is named as it is made
-        # whenever it is a fault the index can see.
-        _frees.append((blocks, None, _CHECKED))
-        return
+def freed(blocks: list[Any], depth: int = _FREE_DEPTH) -> None:
+    """Keep a guarded free of ``blocks`` that no holder index checked, with its caller, for
+    :func:`last_freed` and :func:`recent_frees`. Called by the free guard alone: the
+    ``depth - 1`` frames above this one are the guard's. O(kvqueue's frames)."""
+    # The walk starts at the guard's caller: each frame object caller() would step through is
+    # made on the way (the interpreter makes them only when asked), a cost at every free.
     try:
         frame = _outside(sys._getframe(depth))
     except ValueError:  # the guard's caller is no Python code
@@ -228,17 +224,13 @@ def recent_frees(n: int) -> list[list[Any]] | None:
 
 
 def last_freed(block: object) -> str | None:
-    """How the last guarded free of ``block`` that is still kept was made, as a clause of
-    "It was last released ...", or None."""
+    """Where the last guarded free of ``block`` that no holder index checked, and that is still
+    kept, was called, or None."""
     for blocks, code, place in reversed(_frees):
         if any(found is block for found in blocks):
-            if code is not None:
-                return "by a free called from " + _site(
-                    code.co_filename, _line(code, place), code.co_name
-                )
-            if place == _CHECKED:
-                return "by a guarded free the holder index passed"
-            return "by a free called from unknown"
+            if code is None:
+                return "unknown"
+            return _site(code.co_filename, _line(code, place), code.co_name)
     return None
 
 

@@ -355,9 +355,9 @@ def free_guard(
     position alone (iterated once, into a list, which is what vLLM is given) to a pool whose
     queue's ``gate`` is a ``door_type`` (the free list's entry, with the holder index), that
     :func:`passes_free` passes (against that index when ``releases``): the free is kept
-    (``freed(blocks, releases, depth)``), and vLLM's ``original`` runs with the door open to
-    it. Every other call goes to ``slow`` (the guard in full) with that list. ``own``, ``weak``:
-    as :func:`touch_guard`'s. O(len(blocks))."""
+    (``freed(blocks, depth)``) unless the index checked it, and vLLM's ``original`` runs with
+    the door open to it. Every other call goes to ``slow`` (the guard in full) with that list.
+    ``own``, ``weak``: as :func:`touch_guard`'s. O(len(blocks))."""
 
     def free_blocks(self: Any, blocks: Any = _MISSING, /, *args: Any, **kwargs: Any) -> Any:
         if blocks is _MISSING:
@@ -373,7 +373,8 @@ def free_guard(
         pool = self._weak_self if weak else self if own else None
         if not passes_free(blocks, pool, counts, pool_blocks):
             return slow(self, blocks)
-        freed(blocks, releases, 2)  # this frame, then the caller's
+        if not releases:  # a release the index checked is named as it is made
+            freed(blocks, 2)  # this frame, then the caller's
         door.freeing += 1
         try:
             return original(self, blocks)
