@@ -429,9 +429,9 @@ def release(
     if not below:
         return blocks
     # The manager first, in O(1): a mamba model's every state block freed comes here. What it
-    # lets through is read again by the next audit, as a free no index checked.
+    # lets through is read again by the next audit, and named by it, as a free no index checked.
     if _by_manager(index):
-        _report.unchecked(blocks)
+        _report.freed(blocks, 1)
         return blocks
     faults: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]], int]] = []
     for block, refs in below:

@@ -41,7 +41,6 @@ __all__ = (
     "recent_frees",
     "repaired",
     "then_log",
-    "unchecked",
     "where",
 )
 
@@ -185,8 +184,9 @@ def log_notes(notes: list[Note]) -> None:
 
 def freed(blocks: list[Any], depth: int = _FREE_DEPTH) -> None:
     """Keep a guarded free of ``blocks`` that no holder index checked, with its caller, for
-    :func:`last_freed` and :func:`recent_frees`. Called by the free guard alone: the
-    ``depth - 1`` frames above this one are the guard's. O(kvqueue's frames)."""
+    :func:`last_freed` and :func:`recent_frees`. Called by the free guard, and by the check of a
+    release that lets a manager's free through: the ``depth - 1`` frames above this one are
+    theirs (kvqueue's frames above those are passed over too). O(kvqueue's frames)."""
     # The walk starts at the guard's caller: each frame object caller() would step through is
     # made on the way (the interpreter makes them only when asked), a cost at every free.
     try:
@@ -199,12 +199,6 @@ def freed(blocks: list[Any], depth: int = _FREE_DEPTH) -> None:
         # Its place, not its line: a line is found by a walk of the code's line table, which
         # only a message needs (_line).
         _frees.append((blocks, frame.f_code, frame.f_lasti))
-    unchecked(blocks)
-
-
-def unchecked(blocks: list[Any]) -> None:
-    """Keep ``blocks``, released by a guarded free, for the audit's next read
-    (:func:`recent_frees`)."""
     _unchecked.append(blocks)
     TALLY[1] += 1
 
