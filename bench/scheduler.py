@@ -27,7 +27,7 @@ import sched_engine
 from launch import bootstrap_median, interval
 from sched_engine import WORKLOADS
 
-from kvqueue.vllm import _audit, _pool_guard, _registry
+from kvqueue.vllm import _pool_guard, _registry
 
 GUARDED = tuple(_registry.GUARDED)
 
@@ -135,6 +135,8 @@ def run_contender(name: str, recorded: dict[str, Any]) -> float:
 # calls ns/step: the same of outer alone. The guard reads the blocks before vLLM's method does,
 # so the gap holds cache misses that the inner time, guard off, held: this one nets them out.
 # The null test, python's guard-off gaps less cython's, should be 0: the queue runs outside.
+# The manager's ``new_step_starts`` is probed likewise: the step guard's gap is the holder
+# audit's time, its wrapper's included.
 
 
 class Probe:
@@ -145,42 +147,22 @@ class Probe:
         self.gap = array("q")  # outer - inner, ns
         self.whole = array("q")  # outer: the call as the pool's caller sees it, ns
         self.size = array("q")  # blocks screened; -1: not a list (guard off)
+        self.step_gap = array("q")  # the same gap, of the manager's new_step_starts
         self._stack: list[list[int]] = []
-        self.audit_ns = 0  # the holder audit's own time, timed around it
-        self.audits = 0
-        self.timer_ns = 0  # the timer's own: two readings back to back, beside each audit
 
     def clear(self) -> None:
-        del self.method[:], self.gap[:], self.whole[:], self.size[:]
-        self.audit_ns = self.audits = self.timer_ns = 0
-
-    def audit(self, original: Any) -> Any:
-        # The thread's CPU time, as the step's: a share of the step, on a loaded host too. Its
-        # reading is a system call, whose own time a timed call includes once: read beside
-        # each call, it is subtracted.
-        clock = time.thread_time_ns
-
-        def timed(*args: Any) -> None:
-            before = clock()
-            start = clock()
-            self.timer_ns += start - before
-            self.audits += 1
-            try:
-                original(*args)
-            finally:
-                self.audit_ns += clock() - start
-
-        return timed
+        del self.method[:], self.gap[:], self.whole[:], self.size[:], self.step_gap[:]
 
     def inner(self, original: Any) -> Any:
         clock, stack = time.perf_counter_ns, self._stack
 
-        def timed(pool: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(owner: Any, *args: Any, **kwargs: Any) -> Any:
             start = clock()
-            result = original(pool, arg, *args, **kwargs)
+            result = original(owner, *args, **kwargs)
             end = clock()
             slot = stack[-1]
             slot[0] = end - start
+            arg = args[0] if args else None
             slot[1] = arg if type(arg) is int else len(arg) if type(arg) is list else -1
             return result
 
@@ -191,13 +173,16 @@ class Probe:
         clock, stack = time.perf_counter_ns, self._stack
         method, gap, whole, size = self.method, self.gap, self.whole, self.size
 
-        def timed(pool: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(owner: Any, *args: Any, **kwargs: Any) -> Any:
             slot = [0, -1]
             stack.append(slot)
             start = clock()
-            result = target(pool, arg, *args, **kwargs)
+            result = target(owner, *args, **kwargs)
             end = clock()
             stack.pop()
+            if index < 0:  # the step guard: the holder audit and its wrapper
+                self.step_gap.append(end - start - slot[0])
+                return result
             method.append(index)
             gap.append(end - start - slot[0])
             whole.append(end - start)
@@ -211,10 +196,12 @@ def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe
     """One run of ``setup`` on ``twin``, the guard on or off, every guarded call probed; the
     probe and the run's fingerprint."""
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     import kvqueue.vllm
 
     kvqueue.vllm.uninstall()
+    hook = _registry.AUDIT_HOOK
     probe = Probe()
     # Undone in reverse: the outer shims (the guard back, so that uninstall() finds it), the
     # guard, the inner shims.
@@ -222,9 +209,9 @@ def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe
         own = [m for m in GUARDED if m in BlockPool.__dict__]
         for m in own:
             undo.enter_context(patch.object(BlockPool, m, probe.inner(BlockPool.__dict__[m])))
+        step = KVCacheManager.__dict__[hook]
+        undo.enter_context(patch.object(KVCacheManager, hook, probe.inner(step)))
         undo.callback(kvqueue.vllm.uninstall)
-        # The step guard takes the audit when it is made: timed from the install on.
-        undo.enter_context(patch.object(_audit, "audit_holders", probe.audit(_audit.audit_holders)))
         kvqueue.vllm.install(twin, pool_guard=guard, wrap_foreign=True)  # type: ignore[arg-type]
         # Built under kvqueue's guard alone: a pool finds its guard when its holder index is
         # made, and gives its queue the free list's entry check only then. Built under the
@@ -237,6 +224,9 @@ def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe
             installed = BlockPool.__dict__[m]
             assert (_pool_guard._ours(installed) is not None) is guard, m
             undo.enter_context(patch.object(BlockPool, m, probe.outer(installed, GUARDED.index(m))))
+        step = KVCacheManager.__dict__[hook]
+        assert (_pool_guard._ours(step) is not None) is guard, hook
+        undo.enter_context(patch.object(KVCacheManager, hook, probe.outer(step, -1)))
         driver.run(probe.clear)
     return probe, driver.fingerprint
 
@@ -248,8 +238,7 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
     runs = [(t, g) for t in TWINS for g in (True, False)]
     gaps: dict[tuple[str, bool], list[array[int]]] = {r: [] for r in runs}
     wholes: dict[tuple[str, bool], list[array[int]]] = {r: [] for r in runs}
-    audits: dict[str, list[int]] = {t: [] for t in TWINS}
-    timers: dict[str, list[float]] = {t: [] for t in TWINS}
+    step_gaps: dict[tuple[str, bool], list[array[int]]] = {r: [] for r in runs}
     sizes: dict[str, array[int]] = {}
     calls: array[int] | None = None
     for _ in range(reps):
@@ -265,10 +254,9 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
                 raise SystemExit(f"{where}: the guarded calls differ between runs")
             gaps[twin, guard].append(probe.gap)
             wholes[twin, guard].append(probe.whole)
+            step_gaps[twin, guard].append(probe.step_gap)
             if guard:
                 sizes[twin] = probe.size
-                audits[twin].append(probe.audit_ns - probe.timer_ns)
-                timers[twin].append(probe.timer_ns / max(probe.audits, 1))
     assert calls is not None
     steps = setup.workload.steps - setup.workload.warmup_steps
 
@@ -286,8 +274,8 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
             "guard_ns_per_step": on - off,
             "calls_ns_per_step": ns_per_step((twin, True), wholes)
             - ns_per_step((twin, False), wholes),
-            "audit_ns_per_step": median(audits[twin]) / steps,
-            "timer_ns_per_call": median(timers[twin]),
+            "audit_ns_per_step": ns_per_step((twin, True), step_gaps)
+            - ns_per_step((twin, False), step_gaps),
             "shim_ns_per_call": off * steps / max(len(calls), 1),
             "calls_per_step": {m: k / steps for m, k in per_method.items() if k},
             "blocks_per_step": {m: k / steps for m, k in blocks.items() if per_method[m]},
@@ -358,7 +346,6 @@ _DERIVED = ("blocks_allocated", "popleft_n>1")
 def tables(data: dict[str, Any]) -> str:
     """The Markdown summary of a results file: step times, the guard's cost, the workloads."""
     steps, guard, nulls, shims, workloads = [], [], [], [], []
-    timers: list[float] = []
     for wname in data["records"][0]["workloads"]:
         per = [r["workloads"][wname] for r in data["records"]]
         n = per[0]["timed_steps"]
@@ -391,7 +378,6 @@ def tables(data: dict[str, Any]) -> str:
                     for c, m in zip(probed, step, strict=True)
                 ]
             )
-            timers.extend(c.get("timer_ns_per_call", 0) for c in probed)
             calls = ", ".join(f"{m} {k:.2f}" for m, k in probed[0]["calls_per_step"].items())
             screened = ", ".join(f"{m} {k:.1f}" for m, k in probed[0]["blocks_per_step"].items())
             guard.append(
@@ -432,9 +418,9 @@ def tables(data: dict[str, Any]) -> str:
         "less guard off, summed per step); *calls on less off*: the same for the whole guarded "
         "call, vLLM's method in it (which finds in the cache the blocks the guard read first).",
         "",
-        "*audit µs/step*: the holder audit's own time, timed around it in the probed runs (the "
-        f"timer's own, {median(timers):.0f} ns a call at the median, subtracted), and its share "
-        "of the step with the guard on; *guard + audit*: their sum's share of that step.",
+        "*audit µs/step*: the step guard's own time (the holder audit and its wrapper), probed "
+        "as the guard's is, at the manager's `new_step_starts`, and its share of the step with "
+        "the guard on; *guard + audit*: their sum's share of that step.",
         "",
         "| workload | twin | step, guard on / off | step Δ µs | guard µs/step "
         "| calls on less off µs/step | audit µs/step | audit % of step | guard + audit % of step "
