@@ -16,7 +16,8 @@ alone once with its queue's calls counted (the blocks moved in and out of the fr
 schedule's fingerprint, the pool it leaves), then ``reps`` timed runs per contender, in a new
 random order each round; each must schedule what vLLM alone did and leave the same pool, or
 the process fails. A step is the thread CPU time of ``schedule()`` +
-``update_from_output()``; the audit's own time is timed around each ``audit_holders`` call.
+``update_from_output()``; the audit's own time is timed around each ``read_holders`` call (a
+step with nothing to read, which the step guard passes itself in O(1), is not timed).
 
 Per process and contender: the median step (the median over runs of each run's median step);
 the added time per step (the total over the timed steps less vLLM alone's, each the median over
@@ -211,7 +212,7 @@ def record(setup: sched_engine.Setup) -> dict[str, Any]:
 
 
 class AuditClock:
-    """``audit_holders`` timed call by call (thread CPU time, as the step's), each call less
+    """``read_holders`` timed call by call (thread CPU time, as the step's), each call less
     the timer's own time: its reading is a system call, whose time a timed call includes once,
     read back to back beside each call."""
 
@@ -237,8 +238,8 @@ def timed_run(name: str, setup: sched_engine.Setup, recorded: dict[str, Any]) ->
     unless it schedules what vLLM alone did and leaves the same pool."""
     audits = AuditClock()
     steps: list[float] = []
-    # The step guard takes audit_holders when install() makes it: wrapped before.
-    with patch.object(_audit, "audit_holders", audits.wrap(_audit.audit_holders)):
+    # The step guard takes read_holders when install() makes it: wrapped before.
+    with patch.object(_audit, "read_holders", audits.wrap(_audit.read_holders)):
         use(name)
         every = kvqueue.vllm.status()["audit_every"]
         driver = sched_engine.Driver(setup)
@@ -344,8 +345,9 @@ def table(data: dict[str, Any]) -> str:
         "",
         "*added*: the contender's time over vLLM alone's, per step, its full reads included; "
         "*per moved block*: that over the blocks leaving and entering the free list per step; "
-        "*max added*: the largest one step's; *audit*: `audit_holders`' own time (less the "
-        "timer's, read beside each call), mean per step (median call), and its longest call.",
+        "*max added*: the largest one step's; *audit*: the audit's reads' own time "
+        "(`read_holders`, less the timer's, read beside each call; a step with nothing to read "
+        "is passed without one), mean per step (median read), and its longest read.",
         "",
         "| listed (target) | listed | requests | moved blocks/step | kvqueue | contender "
         "| ms/step | vs vllm | added µs/step | added ns/moved block | max added ms "

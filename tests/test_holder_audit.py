@@ -10,6 +10,7 @@ import _thread
 import random
 import sys
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
@@ -431,7 +432,55 @@ def test_a_manager_no_weak_reference_names_is_read_whole_at_each_step(
     second["A"] = first["A"][:1]  # listed by two managers: no free shows it
     step(queue_mod, unnamed, 0)  # never a full read by the setting, yet one each time
     assert _report.pool_repairs(pool)["two_managers"] == 1
-    assert all(entry[0]() is not unnamed for entry in _audit._places.values())
+    assert all(entry[0]() is not unnamed for entry in _audit.PLACES.values())
+
+
+class _Named:
+    """A manager a weak reference names, with nothing else."""
+
+
+def test_the_step_guard_reads_only_a_step_with_something_to_read(queue_mod: ModuleType) -> None:
+    """The twin's step guard: a manager's first step is read, a quiet one is not (its step
+    counted all the same), a step after a free no index checked is, and every ``every``th
+    one; a retired guard reads nothing; vLLM's method runs at each step, given its arguments."""
+    reads: list[tuple[Any, int]] = []
+    called: list[tuple[Any, ...]] = []
+
+    def read(manager: Any, every: int) -> None:
+        reads.append((manager, every))
+
+    def original(manager: Any, *args: Any, **kwargs: Any) -> str:
+        called.append((manager, args, kwargs))
+        return "vllm's"
+
+    manager, other = _Named(), _Named()
+    guard = SimpleNamespace(retired=False)
+    policy = SimpleNamespace(every=0)
+    tally = [0, 0]
+    places = {id(manager): (weakref.ref(manager), [None, 0])}  # a place no step has set
+    new_step_starts = screen_of(queue_mod).step_guard(original, read, guard, policy, places, tally)
+    assert new_step_starts(manager, 1, k=2) == "vllm's"
+    assert called == [(manager, (1,), {"k": 2})]
+    assert reads == [(manager, 0)]
+    places[id(manager)][1][:] = [tally[1], 0]
+    new_step_starts(manager)
+    assert reads == [(manager, 0)]
+    assert (tally[0], places[id(manager)][1][1]) == (2, 1)
+    tally[1] += 1  # a guarded free no index checked
+    new_step_starts(manager)
+    assert len(reads) == 2
+    places[id(manager)][1][:] = [tally[1], 0]
+    policy.every = 2
+    new_step_starts(manager)  # one step since the last full read
+    new_step_starts(manager)  # the second: a full read is due
+    assert reads[2:] == [(manager, 2)]
+    guard.retired = True
+    new_step_starts(manager)
+    assert (len(reads), tally[0], len(called)) == (3, 5, 6)
+    guard.retired = False
+    places[id(other)] = places[id(manager)]  # another's place, found by its id: read
+    new_step_starts(other)
+    assert reads[-1] == (other, 2)
 
 
 def test_recent_frees_are_the_last_batches_kept() -> None:

@@ -832,7 +832,7 @@ def test_each_install_reads_the_audit_cadence_and_the_running_audit_keeps_it(
     fake = FakeVllm(monkeypatch)
     kv_vllm.uninstall()
     used: list[int] = []
-    monkeypatch.setattr(_audit, "audit_holders", lambda *args: used.append(args[-1]))
+    monkeypatch.setattr(_audit, "read_holders", lambda *args: used.append(args[-1]))
     monkeypatch.setenv("KVQUEUE_AUDIT_EVERY", "4")
     kv_vllm.install("python")
     manager = fake.manager.KVCacheManager(fake.pool.BlockPool(4))

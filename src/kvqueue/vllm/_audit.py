@@ -48,13 +48,21 @@ from .. import _errors, _log, _policy, _render
 from . import _index, _registry, _report, _rules
 from ._own import own_attribute
 
-__all__ = ("audit_holders", "enter", "hand_out", "release", "touch_listed")
+__all__ = (
+    "PLACES",
+    "audit_holders",
+    "enter",
+    "hand_out",
+    "read_holders",
+    "release",
+    "touch_listed",
+)
 
 # Per KVCacheManager, by its id: a weak reference to it (its entry goes with it), and its place:
 # the guarded frees no index checked, made when it was last audited, and the steps since its
 # last full audit. Read at every step, where a weak dictionary's look-up (a new weak reference
 # per call) cost several times a dict's.
-_places: dict[int, tuple[weakref.ref[Any], list[int]]] = {}
+PLACES: dict[int, tuple[weakref.ref[Any], list[int]]] = {}
 # The audited steps and the unchecked frees (``_report``'s), read and moved at every step.
 _TALLY = _report.TALLY
 # Holders named in a message, at most.
@@ -78,18 +86,23 @@ def audit_holders(
     (a pool without one, HiSparse's unpins) are looked up in the index, O(blocks freed), and
     the listings read only when one is listed and free or under-counted (where the pool has
     no index, only those blocks' listings are read, every other compared by address); not at
-    all when there are none: a free that releases a reference a live request holds is found
-    at that free or at the next step. An audit that raises reads the same frees again at the
-    next call.
+    all when there are none (``screen.quiet_step``, O(1)): a free that releases a reference a
+    live request holds is found at that free or at the next step. An audit that raises reads
+    the same frees again at the next call.
 
     Raises :class:`~kvqueue._errors.HolderAuditError` (``"raise"``), TypeError for a
     ``ref_cnt`` that is no integer.
     """
-    tally = _TALLY
-    tally[0] += 1
-    made = tally[1]
-    # The place first, and nothing else where nothing is to be read: this runs at every step.
-    entry = _places.get(id(manager))
+    if not screen.quiet_step(manager, PLACES, _TALLY, every):
+        read_holders(manager, screen, policy, every)
+
+
+def read_holders(
+    manager: Any, screen: ModuleType, policy: Callable[[Any], str], every: int = 1
+) -> None:
+    """:func:`audit_holders` at a step ``screen.quiet_step`` has counted and not passed."""
+    made = _TALLY[1]
+    entry = PLACES.get(id(manager))
     place = entry[1] if entry is not None and entry[0]() is manager else None
     only = None
     steps = 0  # since the last full read, this one included
@@ -97,9 +110,6 @@ def audit_holders(
         steps = place[1] + 1
         if every and steps >= every:
             steps = 0
-        elif made == place[0]:
-            place[1] = steps
-            return
         else:
             only = _report.recent_frees(made - place[0])
             if only is None:  # more frees than are kept: read everything
@@ -137,18 +147,18 @@ def _keep_place(manager: Any, made: int, steps: int) -> None:
     its last full read. A manager no weak reference can name keeps none: each of its audits
     reads everything."""
     key = id(manager)
-    entry = _places.get(key)
+    entry = PLACES.get(key)
     if entry is not None and entry[0]() is manager:
         entry[1][:] = (made, steps)
         return
 
     # The table bound here: a manager freed at the interpreter's exit still finds it.
-    def forget(ref: weakref.ref[Any], places: dict[int, Any] = _places) -> None:
+    def forget(ref: weakref.ref[Any], places: dict[int, Any] = PLACES) -> None:
         if places.get(key, (None,))[0] is ref:
             del places[key]
 
     with contextlib.suppress(TypeError):
-        _places[key] = (weakref.ref(manager, forget), [made, steps])
+        PLACES[key] = (weakref.ref(manager, forget), [made, steps])
 
 
 def _rebuilt(pool: Any, index: _index.Index) -> bool:

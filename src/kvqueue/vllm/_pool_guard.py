@@ -528,17 +528,19 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
 
 
 def _step_guard(made: _Guard, line: Any) -> Callable[..., Any]:
-    original = made.original
-    audit = _audit.audit_holders
+    read_holders = _audit.read_holders
     screen = made.screen
     policy = made.policy
 
-    def new_step_starts(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not made.retired:
-            audit(self, screen, policy, policy.every)
-        return original(self, *args, **kwargs)
+    def read(manager: Any, every: int) -> None:
+        read_holders(manager, screen, policy, every)
 
-    return _wrapped(made, new_step_starts)
+    # The twin's: a step with nothing to read costs no call of the audit's (it runs at every
+    # step, and starts with the audit's state out of the processor's cache).
+    guarded: Callable[..., Any] = screen.step_guard(
+        made.original, read, made, policy, _audit.PLACES, _report.TALLY
+    )
+    return _wrapped(made, guarded)
 
 
 _WRAPPERS: dict[str, Callable[[_Guard, Any], Callable[..., Any]]] = {

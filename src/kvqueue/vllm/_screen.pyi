@@ -16,6 +16,8 @@ from ._screen_py import holder_faults as holder_faults
 from ._screen_py import passes_free as passes_free
 from ._screen_py import passes_hand_out as passes_hand_out
 from ._screen_py import passes_touch as passes_touch
+from ._screen_py import quiet_step as quiet_step
+from ._screen_py import step_guard as step_guard
 from ._screen_py import touch_guard as touch_guard
 
 __all__ = (
@@ -36,5 +38,7 @@ __all__ = (
     "passes_free",
     "passes_hand_out",
     "passes_touch",
+    "quiet_step",
+    "step_guard",
     "touch_guard",
 )

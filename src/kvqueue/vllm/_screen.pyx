@@ -55,6 +55,8 @@ __all__ = (
     "passes_free",
     "passes_hand_out",
     "passes_touch",
+    "quiet_step",
+    "step_guard",
     "suspects",
     "touch_guard",
 )
@@ -606,6 +608,50 @@ def touch_guard(
         return slow(self, blocks)
 
     return touch
+
+
+def quiet_step(object manager, dict places, list tally, object every):
+    """Count a step of ``manager``'s holder audit (``tally[0]``), and whether nothing is to be
+    read at it: ``manager``'s place in ``places`` (``id`` -> (a weak reference to it, [the
+    guarded frees no index checked made by its last audit, the steps since its last full
+    read])) shows no full read due (``every`` 0, or more than those steps) and no such free
+    made since (``tally[1]``, their count); then the step is counted in that place. False
+    for a manager without one. O(1): this runs at every step."""
+    return _quiet_step(manager, places, tally, every)
+
+
+cdef bint _quiet_step(object manager, dict places, list tally, object every) except -1:
+    tally[0] += 1
+    entry = places.get(id(manager))
+    if entry is None:
+        return False
+    ref, place = entry
+    # The reference read, not called (kvs_refers_to): a step starts with it out of the cache.
+    if not kvs_refers_to(ref, manager):
+        return False
+    steps = place[1] + 1
+    if (every and steps >= every) or place[0] != tally[1]:
+        return False
+    place[1] = steps
+    return True
+
+
+def step_guard(
+    object original, object read, object guard, object policy, dict places, list tally
+):
+    """``new_step_starts`` guarded: the holder audit, then vLLM's ``original``. Unless
+    ``guard`` is retired, a step :func:`quiet_step` does not pass (against ``places`` and
+    ``tally``, ``policy.every``'s cadence) is read: ``read(manager, every)``. O(1) a quiet
+    step."""
+
+    def new_step_starts(self, *args, **kwargs):
+        if not guard.retired:
+            every = policy.every
+            if not _quiet_step(self, places, tally, every):
+                read(self, every)
+        return original(self, *args, **kwargs)
+
+    return new_step_starts
 
 
 # Where one block class keeps its block_id, for the counts, which read no other field: the

@@ -52,6 +52,8 @@ __all__ = (
     "passes_free",
     "passes_hand_out",
     "passes_touch",
+    "quiet_step",
+    "step_guard",
     "suspects",
     "touch_guard",
 )
@@ -382,6 +384,45 @@ def free_guard(
             door.freeing -= 1
 
     return free_blocks
+
+
+def quiet_step(manager: Any, places: dict[int, Any], tally: list[int], every: int) -> bool:
+    """Count a step of ``manager``'s holder audit (``tally[0]``), and whether nothing is to be
+    read at it: ``manager``'s place in ``places`` (``id`` -> (a weak reference to it, [the
+    guarded frees no index checked made by its last audit, the steps since its last full
+    read])) shows no full read due (``every`` 0, or more than those steps) and no such free
+    made since (``tally[1]``, their count); then the step is counted in that place. False
+    for a manager without one. O(1): this runs at every step."""
+    tally[0] += 1
+    entry = places.get(id(manager))
+    if entry is None:
+        return False
+    ref, place = entry
+    if type(ref) is not ReferenceType or ref() is not manager:
+        return False
+    steps = place[1] + 1
+    if (every and steps >= every) or place[0] != tally[1]:
+        return False
+    place[1] = steps
+    return True
+
+
+def step_guard(
+    original: Any, read: Any, guard: Any, policy: Any, places: dict[int, Any], tally: list[int]
+) -> Any:
+    """``new_step_starts`` guarded: the holder audit, then vLLM's ``original``. Unless
+    ``guard`` is retired, a step :func:`quiet_step` does not pass (against ``places`` and
+    ``tally``, ``policy.every``'s cadence) is read: ``read(manager, every)``. O(1) a quiet
+    step."""
+
+    def new_step_starts(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not guard.retired:
+            every = policy.every
+            if not quiet_step(self, places, tally, every):
+                read(self, every)
+        return original(self, *args, **kwargs)
+
+    return new_step_starts
 
 
 def _listed(block: Any, counts: list[int], pool_blocks: list[Any]) -> bool:
