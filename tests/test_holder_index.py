@@ -553,10 +553,35 @@ def test_a_prefix_hit_on_a_pool_without_a_queue_is_vllms(queue_mod: ModuleType) 
         assert [block.ref_cnt for block in blocks] == [2, 2]
 
 
+def test_the_exit_reads_the_counts_only_while_a_listed_block_may_be_free(
+    queue_mod: ModuleType,
+) -> None:
+    """Behind the free list's entry check, a block is listed and free only if it was first
+    listed while it looked free: kept in the index's ``loose`` until the exit finds it held
+    or unlisted. A listing of a block vLLM handed out is not kept."""
+    for pool, manager in exit_pool(queue_mod, "raise", entry=True):
+        index = _index.index_of(pool)
+        assert index is not None
+        table = manager.req_to_blocks
+        table["A"].extend(pool.get_new_blocks(2))
+        assert index.loose == []
+        queue = pool.free_block_queue
+        block = queue.fake_free_list_head.next_free_block
+        table["B"].append(block)  # listed, and still free
+        assert index.loose == [block]
+        with raises_said(_errors.HolderAuditError, f"hand out block {block.block_id},"):
+            pool.get_new_blocks(queue.num_free_blocks)
+        assert index.loose == [block]  # the fault stands
+        table["B"].remove(block)
+        assert any(each is block for each in pool.get_new_blocks(queue.num_free_blocks))
+        assert index.loose == []
+
+
 def test_a_pools_new_index_is_the_one_its_door_and_exit_read(queue_mod: ModuleType) -> None:
     """A pool whose block list is replaced gets a new index with its next manager: its door
-    is given it, and the free list's exit reads that one (a count it holds out of any table's
-    sight sends the hand-out to the guard in full, which finds the index stale)."""
+    is given it, and the free list's exit reads that one (a listing it counts of a free block,
+    out of any table's sight, sends the hand-out to the guard in full, which finds the index
+    stale)."""
     for pool, _manager in exit_pool(queue_mod, "raise", entry=True):
         door = pool.free_block_queue.gate
         first = _index.index_of(pool)
@@ -569,7 +594,7 @@ def test_a_pools_new_index_is_the_one_its_door_and_exit_read(queue_mod: ModuleTy
         assert door.index is second
         head = pool.free_block_queue.fake_free_list_head
         rebuilds = _report.index_rebuilds()
-        second.counts[head.next_free_block.block_id] += 1
+        second.add_one(head.next_free_block)  # out of any table's sight, the block free
         assert len(pool.get_new_blocks(1)) == 1
         assert _report.index_rebuilds() == rebuilds + 1
 
@@ -779,6 +804,10 @@ def test_a_manager_frees_a_block_it_lists_then_replaces_it(guarded_entry: Any) -
     manager.free_state("A", 0)
     assert block.prev_free_block is not None
     assert sum(_report.pool_repairs(pool).values()) == 0
+    # Let through listed: the exit reads the index until it finds the listing gone.
+    index = _index.index_of(pool)
+    assert index is not None
+    assert index.loose == [block]
     consistent(pool)
 
 

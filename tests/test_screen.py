@@ -532,6 +532,43 @@ def test_a_count_whose_addition_empties_the_counts_raises(screen: ModuleType) ->
         screen.count(pool_blocks, pool_blocks, counts, 1)
 
 
+def test_looks_free_reads_what_a_free_block_shows(screen: ModuleType, block_class: type) -> None:
+    """A block may be in a free list unless it is null, or holds a reference (an int above 0,
+    exactly) and is linked in no list."""
+    block = block_class(1)
+    assert not screen.looks_free(block)
+    block.prev_free_block = block_class(1)  # linked: held, yet in a free list
+    assert screen.looks_free(block)
+    block.prev_free_block = None
+    for refs in (0, -1, True, 1.0, "1", None):
+        block.ref_cnt = refs
+        assert screen.looks_free(block), refs
+    block.is_null = True
+    assert not screen.looks_free(block)
+    del block.ref_cnt  # a field it lacks reads as none
+    block.is_null = False
+    assert screen.looks_free(block)
+
+
+@pytest.mark.parametrize("ref_cnt", [0, 1])
+def test_a_block_first_listed_while_it_looks_free_is_loose(
+    screen: ModuleType, ref_cnt: int
+) -> None:
+    """A count from 0 up of a block that looks free puts it in ``loose``; a count from 1
+    up, or down, or of a held block, does not; the counts move alike."""
+    pool_blocks = [KVCacheBlock(i) for i in range(4)]
+    for block in pool_blocks:
+        block.ref_cnt = ref_cnt
+    counts, loose = [0, 0, 0, 0], list[Any]()
+    screen.count(pool_blocks[:2], pool_blocks, counts, 1, loose)
+    screen.count_one(pool_blocks[2], pool_blocks, counts, 1, loose)
+    screen.count(pool_blocks[:3], pool_blocks, counts, 1, loose)  # from 1 up: not again
+    screen.count(pool_blocks[:3], pool_blocks, counts, -1, loose)
+    screen.count([pool_blocks[3]], pool_blocks, counts, 1)  # no list given
+    assert counts == [1, 1, 1, 1]
+    assert loose == ([] if ref_cnt else pool_blocks[:3])
+
+
 # -- the audit's suspects among freed blocks -------------------------------------------------
 
 

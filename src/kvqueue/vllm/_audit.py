@@ -442,6 +442,9 @@ def release(
     # lets through is read again by the next audit, and named by it, as a free no index checked.
     if _by_manager(index):
         _report.freed(blocks, 1)
+        # Listed, and queued free by vLLM's method: the free list's exit reads the index
+        # again while it is.
+        index.loose.extend(block for block, _ in below)
         return blocks
     faults: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]], int]] = []
     for block, refs in below:

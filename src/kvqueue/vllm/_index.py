@@ -45,24 +45,35 @@ __all__ = (
 class Index:
     """Per pool: ``counts[block_id]``, how many times live requests list that block, and
     the tables that list them (read only to name a block's holders, or to count again).
-    ``screen``: the screens of the pool guard's twin, which count (``count``, ``count_one``)
-    and make the tables (``Table``, ``Listed``)."""
+    ``loose``: the blocks that looked free (``screen.looks_free``) when a listing of them
+    was first counted, until :meth:`prune` finds them held or unlisted; with the free list's
+    entry check, no other listed block can be in the free list, and its exit reads the
+    counts only while this is not empty. ``screen``: the screens of the pool guard's twin,
+    which count (``count``, ``count_one``) and make the tables (``Table``, ``Listed``)."""
 
-    __slots__ = ("__weakref__", "blocks", "counts", "screen", "tables")
+    __slots__ = ("__weakref__", "blocks", "counts", "loose", "screen", "tables")
 
     def __init__(self, blocks: list[Any], screen: ModuleType) -> None:
         self.blocks = blocks
         self.counts = [0] * len(blocks)
+        self.loose: list[Any] = []
         self.tables: list[weakref.ref[Any]] = []
         self.screen = screen
 
     def add(self, blocks: Iterable[Any], step: int = 1) -> None:
         """Count each of ``blocks`` ``step`` times more (-1: once less); O(len(blocks))."""
-        self.screen.count(blocks, self.blocks, self.counts, step)
+        self.screen.count(blocks, self.blocks, self.counts, step, self.loose)
 
     def add_one(self, block: Any, step: int = 1) -> None:
         """Count ``block`` ``step`` times more (-1: once less); O(1)."""
-        self.screen.count_one(block, self.blocks, self.counts, step)
+        self.screen.count_one(block, self.blocks, self.counts, step, self.loose)
+
+    def prune(self) -> bool:
+        """Keep in ``loose`` only the blocks still listed that still look free; whether any
+        is left. O(len(loose))."""
+        looks_free = self.screen.looks_free
+        self.loose = [block for block in self.loose if self.listings(block) and looks_free(block)]
+        return bool(self.loose)
 
     def listings(self, block: Any) -> int | None:
         """How many times live requests list ``block``; None for a block not the pool's. O(1)."""
@@ -103,6 +114,7 @@ class Index:
         self.tables = [weakref.ref(table) for table in live]
         counts = self.counts
         self.counts = [0] * len(self.blocks)
+        self.loose = []
         for table in live:
             for listed in dict.values(table):
                 if type(listed) is listed_type:

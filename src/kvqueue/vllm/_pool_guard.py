@@ -399,6 +399,8 @@ class _Door:
         pool = self.pool()
         made = None if pool is None else _free_guard_of(pool)
         if made is None:  # the guard is off: vLLM's queue as it is
+            # A listed block let in: the free list's exit reads the index again while it is.
+            self.index.loose.extend(blocks)
             return blocks
         return _audit.enter(pool, method, blocks, self.index, made.policy)
 

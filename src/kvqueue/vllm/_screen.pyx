@@ -52,6 +52,7 @@ __all__ = (
     "first_under_listed",
     "free_guard",
     "holder_faults",
+    "looks_free",
     "passes_free",
     "passes_hand_out",
     "passes_touch",
@@ -507,16 +508,24 @@ cdef object _MISSING = object()
 cdef tuple _NO_INDEX = (None, None)
 
 
-cdef object _pool_index(object pool, object queue, type door_type, dict indexes):
-    """``pool``'s holder index: its queue's door's (a ``door_type`` of ``pool``, which holds
-    the pool's index), else the one in ``indexes`` (``id(pool)`` -> (weak reference, index)),
-    else None. The door first: it reads two objects, where the table reads four and makes an
-    int; its weak reference (a ``weakref.ref`` exactly) read as the pool's, not called."""
+cdef tuple _exit_index(object pool, object queue, type door_type, dict indexes):
+    """What a block leaving ``pool``'s free list is checked against: the holder index's counts
+    and blocks, or ``_NO_INDEX`` when no listed block can be in the list. Behind a door (its
+    queue's ``door_type`` of ``pool``, which holds the index; its weak reference, a
+    ``weakref.ref`` exactly, read as the pool's, not called), the entry lets no listed block
+    in, and a block listed while it looked free is kept in the index's ``loose``: the counts
+    are read only while one of those is still listed and free (``Index.prune``). Else the
+    index in ``indexes`` (``id(pool)`` -> (weak reference, index)), whose counts are read
+    whatever the list holds."""
     door = getattr(queue, "gate", None)
     if type(door) is door_type and kvs_refers_to(door.pool, pool):
-        return door.index
+        held = door.index
+        if held.loose and held.prune():
+            return (held.counts, held.blocks)
+        return _NO_INDEX
     entry = indexes.get(id(pool))
-    return entry[1] if entry is not None and entry[0]() is pool else None
+    held = entry[1] if entry is not None and entry[0]() is pool else None
+    return _NO_INDEX if held is None else (held.counts, held.blocks)
 
 
 def alloc_guard(object original, object slow, dict indexes, type door_type):
@@ -536,8 +545,7 @@ def alloc_guard(object original, object slow, dict indexes, type door_type):
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            held = _pool_index(self, queue, door_type, indexes)
-            counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+            counts, blocks = _exit_index(self, queue, door_type, indexes)
             if _first_unfit(queue.fake_free_list_head, num_blocks, counts, blocks) is not None:
                 return slow(self, num_blocks)
         return original(self, num_blocks)
@@ -600,8 +608,8 @@ def touch_guard(
         blocks = list(blocks)
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists. The queue read as vLLM's touch may never read it (only for a free block).
-        held = _pool_index(self, getattr(self, "free_block_queue", None), door_type, indexes)
-        counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+        queue = getattr(self, "free_block_queue", None)
+        counts, pool_blocks = _exit_index(self, queue, door_type, indexes)
         pool = self._weak_self if weak else self if own else None
         if _passes_touch(blocks, pool, counts, pool_blocks):
             return original(self, blocks)
@@ -721,27 +729,59 @@ cdef inline int _add(list counts, Py_ssize_t block_id, object step) except -1:
     return 0
 
 
-def count(object blocks, list pool_blocks, list counts, object step):
+def count(object blocks, list pool_blocks, list counts, object step, list loose=None):
     """Add ``step`` to ``counts[block_id]`` (the holder index's) for each of ``blocks`` (any
     iterable, iterated once) that is ``pool_blocks[block_id]``, its ``block_id`` an int
-    (exactly) within both lists; anything else passes uncounted. O(len(blocks)).
+    (exactly) within both lists; anything else passes uncounted. With ``loose`` (a list) and
+    a positive ``step``, each block counted from 0 that :func:`looks_free` is appended to it.
+    O(len(blocks)).
 
     A ``block_id`` read that raises AttributeError reads as none; any other exception raises
     through, the blocks before it counted."""
-    _count(blocks, pool_blocks, counts, step)
+    _count(blocks, pool_blocks, counts, step, loose)
 
 
-def count_one(object block, list pool_blocks, list counts, object step):
+def count_one(object block, list pool_blocks, list counts, object step, list loose=None):
     """:func:`count` of the one block ``block``; O(1)."""
-    _count_one(block, pool_blocks, counts, step)
+    _count_one(block, pool_blocks, counts, step, loose)
+
+
+def looks_free(object block):
+    """Whether ``block`` may be in a free list: not null, and it holds no reference (its
+    ``ref_cnt`` no int above 0, exactly) or is linked (its ``prev_free_block`` not None).
+    Each field read as ``getattr(block, name, None)``, in that order; O(1)."""
+    cdef _Layout lay
+    lay.type = NULL
+    return _looks_free(block, &lay)
+
+
+cdef bint _looks_free(object block, _Layout *lay) except -1:
+    cdef Py_ssize_t refs
+    if _field(block, lay, _IS_NULL, "is_null", True) is True:
+        return False
+    value = _field(block, lay, _REF_CNT, "ref_cnt", True)
+    if type(value) is not int or not kvs_count(<PyObject *>value, &refs) or refs < 1:
+        return True
+    return _field(block, lay, _PREV, "prev_free_block", True) is not None
+
+
+cdef inline bint _was_zero(list counts, Py_ssize_t block_id) noexcept:
+    cdef Py_ssize_t before
+    return kvs_count(PyList_GET_ITEM(counts, block_id), &before) and before == 0
 
 
 # count and count_one as C calls, for the tables' lists below, which count at every change.
-cdef int _count(object blocks, list pool_blocks, list counts, object step) except -1:
+cdef int _count(
+    object blocks, list pool_blocks, list counts, object step, list loose
+) except -1:
     cdef Py_ssize_t block_id, i = 0
     cdef _IdLayout lay
+    cdef _Layout free_lay
     cdef bint listed = isinstance(blocks, list)  # a request's blocks, read ahead
+    cdef bint up = loose is not None and step > 0
+    cdef bint first
     lay.type = NULL
+    free_lay.type = NULL
     for block in blocks:
         if listed:
             kvs_hint_blocks(blocks, i)
@@ -749,17 +789,28 @@ cdef int _count(object blocks, list pool_blocks, list counts, object step) excep
             i += 1
         block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
         if block_id >= 0:
+            first = up and _was_zero(counts, block_id)
             _add(counts, block_id, step)
+            if first and _looks_free(block, &free_lay):
+                loose.append(block)
     return 0
 
 
-cdef int _count_one(object block, list pool_blocks, list counts, object step) except -1:
+cdef int _count_one(
+    object block, list pool_blocks, list counts, object step, list loose
+) except -1:
     cdef Py_ssize_t block_id
     cdef _IdLayout lay
+    cdef _Layout free_lay
+    cdef bint first
     lay.type = NULL
+    free_lay.type = NULL
     block_id = _own_id(block, _id_only(block, &lay), pool_blocks, counts)
     if block_id >= 0:
+        first = loose is not None and step > 0 and _was_zero(counts, block_id)
         _add(counts, block_id, step)
+        if first and _looks_free(block, &free_lay):
+            loose.append(block)
     return 0
 
 
@@ -1055,7 +1106,7 @@ cdef class Listed(list):
         PyList_SetSlice(self, 0, PyList_GET_SIZE(self), list(blocks))
         self.tally = index
         if index is not None:
-            _count(self, index.blocks, index.counts, 1)
+            _count(self, index.blocks, index.counts, 1, index.loose)
 
     def __reduce_ex__(self, protocol):
         # A copy (copy, deepcopy, pickle) is in no table: a plain list.
@@ -1065,14 +1116,14 @@ cdef class Listed(list):
         """Out of its table: its blocks are listed no more, and it counts nothing again."""
         tally = self.tally
         if tally is not None:
-            _count(self, tally.blocks, tally.counts, -1)
+            _count(self, tally.blocks, tally.counts, -1, None)
             self.tally = None
 
     def append(self, block):
         PyList_Append(self, block)
         tally = self.tally
         if tally is not None:
-            _count_one(block, tally.blocks, tally.counts, 1)
+            _count_one(block, tally.blocks, tally.counts, 1, tally.loose)
 
     def extend(self, blocks):
         blocks = list(blocks)
@@ -1080,7 +1131,7 @@ cdef class Listed(list):
         PyList_SetSlice(self, end, end, blocks)
         tally = self.tally
         if tally is not None:
-            _count(blocks, tally.blocks, tally.counts, 1)
+            _count(blocks, tally.blocks, tally.counts, 1, tally.loose)
 
     def __iadd__(self, blocks):
         (<object>self).extend(blocks)

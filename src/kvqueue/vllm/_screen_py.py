@@ -49,6 +49,7 @@ __all__ = (
     "first_under_listed",
     "free_guard",
     "holder_faults",
+    "looks_free",
     "passes_free",
     "passes_hand_out",
     "passes_touch",
@@ -282,18 +283,26 @@ _MISSING: Any = object()
 _NO_INDEX: Any = (None, None)
 
 
-def _pool_index(pool: Any, queue: Any, door_type: Any, indexes: dict[int, Any]) -> Any:
-    """``pool``'s holder index: its queue's door's (a ``door_type`` of ``pool``, which holds
-    the pool's index), else the one in ``indexes`` (``id(pool)`` -> (weak reference, index)),
-    else None. The door first: it reads two objects, where the table reads four and makes an
-    int; its weak reference (a ``weakref.ref`` exactly) read as the pool's, not called."""
+def _exit_index(pool: Any, queue: Any, door_type: Any, indexes: dict[int, Any]) -> Any:
+    """What a block leaving ``pool``'s free list is checked against: the holder index's counts
+    and blocks, or ``_NO_INDEX`` when no listed block can be in the list. Behind a door (its
+    queue's ``door_type`` of ``pool``, which holds the index; its weak reference, a
+    ``weakref.ref`` exactly, read as the pool's, not called), the entry lets no listed block
+    in, and a block listed while it looked free is kept in the index's ``loose``: the counts
+    are read only while one of those is still listed and free (``Index.prune``). Else the
+    index in ``indexes`` (``id(pool)`` -> (weak reference, index)), whose counts are read
+    whatever the list holds."""
     door: Any = getattr(queue, "gate", None)
     if type(door) is door_type:
         ref = door.pool
         if type(ref) is ReferenceType and ref() is pool:
-            return door.index
+            held = door.index
+            if held.loose and held.prune():
+                return held.counts, held.blocks
+            return _NO_INDEX
     entry = indexes.get(id(pool))
-    return entry[1] if entry is not None and entry[0]() is pool else None
+    held = entry[1] if entry is not None and entry[0]() is pool else None
+    return _NO_INDEX if held is None else (held.counts, held.blocks)
 
 
 def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: Any) -> Any:
@@ -313,8 +322,7 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: An
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            held = _pool_index(self, queue, door_type, indexes)
-            counts, blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+            counts, blocks = _exit_index(self, queue, door_type, indexes)
             if not passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
                 return slow(self, num_blocks)
         return original(self, num_blocks)
@@ -340,8 +348,8 @@ def touch_guard(
         blocks = list(blocks)
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists. The queue read as vLLM's touch may never read it (only for a free block).
-        held = _pool_index(self, getattr(self, "free_block_queue", None), door_type, indexes)
-        counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
+        queue = getattr(self, "free_block_queue", None)
+        counts, pool_blocks = _exit_index(self, queue, door_type, indexes)
         pool = self._weak_self if weak else self if own else None
         if passes_touch(blocks, pool, counts, pool_blocks):
             return original(self, blocks)
@@ -446,13 +454,18 @@ def _listed_as(block: Any, block_id: Any, counts: list[int], pool_blocks: list[A
     return listed is not None and listed != 0 and pool_blocks[block_id] is block
 
 
-def count(blocks: Any, pool_blocks: list[Any], counts: list[int], step: int) -> None:
+def count(
+    blocks: Any, pool_blocks: list[Any], counts: list[int], step: int, loose: Any = None
+) -> None:
     """Add ``step`` to ``counts[block_id]`` (the holder index's) for each of ``blocks`` (any
     iterable, iterated once) that is ``pool_blocks[block_id]``, its ``block_id`` an int
-    (exactly) within both lists; anything else passes uncounted. O(len(blocks)).
+    (exactly) within both lists; anything else passes uncounted. With ``loose`` (a list) and
+    a positive ``step``, each block counted from 0 that :func:`looks_free` is appended to it.
+    O(len(blocks)).
 
     A ``block_id`` read that raises AttributeError reads as none; any other exception raises
     through, the blocks before it counted."""
+    up = loose is not None and step > 0
     for block in blocks:
         block_id = getattr(block, "block_id", None)
         if (
@@ -461,12 +474,35 @@ def count(blocks: Any, pool_blocks: list[Any], counts: list[int], step: int) -> 
             and block_id < len(pool_blocks)
             and pool_blocks[block_id] is block
         ):
+            before = counts[block_id]
             counts[block_id] += step
+            if up and _zero(before) and looks_free(block):
+                loose.append(block)
 
 
-def count_one(block: Any, pool_blocks: list[Any], counts: list[int], step: int) -> None:
+def count_one(
+    block: Any, pool_blocks: list[Any], counts: list[int], step: int, loose: Any = None
+) -> None:
     """:func:`count` of the one block ``block``; O(1)."""
-    count((block,), pool_blocks, counts, step)
+    count((block,), pool_blocks, counts, step, loose)
+
+
+def _zero(value: Any) -> bool:
+    """Whether ``value`` (a count) is 0, as an int: the interpreter's one 0 object, the
+    quick way."""
+    return value is _ZERO or (type(value) is not int and _count(value) == 0)
+
+
+def looks_free(block: Any) -> bool:
+    """Whether ``block`` may be in a free list: not null, and it holds no reference (its
+    ``ref_cnt`` no int above 0, exactly) or is linked (its ``prev_free_block`` not None).
+    Each field read as ``getattr(block, name, None)``, in that order; O(1)."""
+    if getattr(block, "is_null", None) is True:
+        return False
+    refs = getattr(block, "ref_cnt", None)
+    if type(refs) is not int or refs < 1:
+        return True
+    return getattr(block, "prev_free_block", None) is not None
 
 
 def first_under_listed(blocks: list[Any], counts: list[int], pool_blocks: list[Any]) -> int:
@@ -612,7 +648,7 @@ class Listed(list):  # type: ignore[type-arg]
         super().__init__(blocks)
         self.tally = index
         if index is not None:
-            count(self, index.blocks, index.counts, 1)
+            count(self, index.blocks, index.counts, 1, index.loose)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         # A copy (copy, deepcopy, pickle) is in no table: a plain list.
@@ -629,14 +665,14 @@ class Listed(list):  # type: ignore[type-arg]
         list.append(self, block)
         tally = self.tally
         if tally is not None:
-            count_one(block, tally.blocks, tally.counts, 1)
+            count_one(block, tally.blocks, tally.counts, 1, tally.loose)
 
     def extend(self, blocks: Iterable[Any]) -> None:
         blocks = list(blocks)
         list.extend(self, blocks)
         tally = self.tally
         if tally is not None:
-            count(blocks, tally.blocks, tally.counts, 1)
+            count(blocks, tally.blocks, tally.counts, 1, tally.loose)
 
     def __iadd__(self, blocks: Iterable[Any]) -> Listed:  # type: ignore[misc]
         self.extend(blocks)
