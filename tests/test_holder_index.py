@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvqueue import _errors
+from kvqueue import KVCacheBlock, _errors
 from kvqueue.vllm import _audit, _index, _pool_guard, _report, _screen_py
 from kvqueue.vllm._lines import LINES
 
@@ -852,6 +852,22 @@ def test_the_entry_is_open_once_the_guard_is_off(queue_mod: ModuleType) -> None:
     block.ref_cnt -= 1
     pool.free_block_queue.prepend_n([block])  # unguarded: vLLM's own behaviour
     assert block.prev_free_block is not None
+    index = pool.free_block_queue.gate.index
+    assert index.loose == [block]  # listed and let in: an exit guard would read the index
+
+
+def test_loose_holds_at_most_what_is_listed_and_free(queue_mod: ModuleType) -> None:
+    """Where no exit prunes it (the guard off), what is let in is pruned once it outgrows
+    the pool."""
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    index = _index.Index(blocks, screen_of(queue_mod))
+    index.add_one(blocks[0])  # listed while free
+    assert index.loose == [blocks[0]]
+    for _ in range(3):
+        index.let_in(blocks[1:2])  # not listed
+    assert len(index.loose) == 4
+    index.let_in(blocks[2:3])
+    assert index.loose == [blocks[0]]
 
 
 # -- the audit between its full reads, through the index ----------------------------------------

@@ -444,7 +444,7 @@ def release(
         _report.freed(blocks, 1)
         # Listed, and queued free by vLLM's method: the free list's exit reads the index
         # again while it is.
-        index.loose.extend(block for block, _ in below)
+        index.let_in(block for block, _ in below)
         return blocks
     faults: list[tuple[_policy.PoolMisuse, Any, list[tuple[str, Any]], int]] = []
     for block, refs in below:

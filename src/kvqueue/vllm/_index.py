@@ -68,6 +68,15 @@ class Index:
         """Count ``block`` ``step`` times more (-1: once less); O(1)."""
         self.screen.count_one(block, self.blocks, self.counts, step, self.loose)
 
+    def let_in(self, blocks: Iterable[Any]) -> None:
+        """Keep in ``loose`` ``blocks``, listed blocks let into the free list unchecked (a
+        manager's own free, the entry once the guard is off), pruned once ``loose`` outgrows
+        the pool (where no exit prunes it, the guard off): it holds at most what is listed
+        and free. O(len(blocks)), O(pool) when pruned."""
+        self.loose.extend(blocks)
+        if len(self.loose) > len(self.blocks):
+            self.prune()
+
     def prune(self) -> bool:
         """Keep in ``loose`` only the blocks still listed that still look free; whether any
         is left. O(len(loose))."""

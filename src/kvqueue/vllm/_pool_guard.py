@@ -400,7 +400,7 @@ class _Door:
         made = None if pool is None else _free_guard_of(pool)
         if made is None:  # the guard is off: vLLM's queue as it is
             # A listed block let in: the free list's exit reads the index again while it is.
-            self.index.loose.extend(blocks)
+            self.index.let_in(blocks)
             return blocks
         return _audit.enter(pool, method, blocks, self.index, made.policy)
 
