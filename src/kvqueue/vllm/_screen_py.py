@@ -476,7 +476,12 @@ def count(
         ):
             before = counts[block_id]
             counts[block_id] += step
-            if up and _zero(before) and looks_free(block):
+            # From 0: the interpreter's one 0 object, the quick way (no call per block listed).
+            if (
+                up
+                and (before is _ZERO or (type(before) is not int and _count(before) == 0))
+                and looks_free(block)
+            ):
                 loose.append(block)
 
 
@@ -485,12 +490,6 @@ def count_one(
 ) -> None:
     """:func:`count` of the one block ``block``; O(1)."""
     count((block,), pool_blocks, counts, step, loose)
-
-
-def _zero(value: Any) -> bool:
-    """Whether ``value`` (a count) is 0, as an int: the interpreter's one 0 object, the
-    quick way."""
-    return value is _ZERO or (type(value) is not int and _count(value) == 0)
 
 
 def looks_free(block: Any) -> bool:
