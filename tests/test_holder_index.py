@@ -856,6 +856,33 @@ def test_the_entry_is_open_once_the_guard_is_off(queue_mod: ModuleType) -> None:
     assert index.loose == [block]  # listed and let in: an exit guard would read the index
 
 
+class _Pruning:
+    """A block whose ``ref_cnt`` read prunes its index once, as a listing of it is counted."""
+
+    def __init__(self, block_id: int, index: Any) -> None:
+        self.block_id, self.is_null, self.prev_free_block = block_id, False, None
+        self.index: Any = index
+
+    @property
+    def ref_cnt(self) -> int:
+        index, self.index = self.index, None
+        if index is not None:
+            index.prune()
+        return 0
+
+
+def test_a_prune_inside_a_count_keeps_what_the_count_adds(queue_mod: ModuleType) -> None:
+    """A field read as a listing is counted may run code that prunes the index: the block
+    listed while free is still kept loose."""
+    index = _index.Index([], screen_of(queue_mod))
+    block = _Pruning(0, index)
+    index.blocks.append(block)
+    index.counts.append(0)
+    index.add_one(block)
+    assert index.counts == [1]
+    assert index.loose == [block]
+
+
 def test_loose_holds_at_most_what_is_listed_and_free(queue_mod: ModuleType) -> None:
     """Where no exit prunes it (the guard off), what is let in is pruned once it outgrows
     the pool."""

@@ -81,7 +81,9 @@ class Index:
         """Keep in ``loose`` only the blocks still listed that still look free; whether any
         is left. O(len(loose))."""
         looks_free = self.screen.looks_free
-        self.loose = [block for block in self.loose if self.listings(block) and looks_free(block)]
+        # In place: a count under way (a read of a block's field may run code) appends to
+        # the list it was given.
+        self.loose[:] = [each for each in self.loose if self.listings(each) and looks_free(each)]
         return bool(self.loose)
 
     def listings(self, block: Any) -> int | None:
@@ -123,7 +125,7 @@ class Index:
         self.tables = [weakref.ref(table) for table in live]
         counts = self.counts
         self.counts = [0] * len(self.blocks)
-        self.loose = []
+        self.loose.clear()
         for table in live:
             for listed in dict.values(table):
                 if type(listed) is listed_type:
