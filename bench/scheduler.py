@@ -218,7 +218,7 @@ def probed_run(setup: sched_engine.Setup, twin: str, guard: bool) -> tuple[Probe
         # outer shims, which hide the guard, it would run the path of a pool without one.
         driver = sched_engine.Driver(setup)
         queue = driver.scheduler.kv_cache_manager.block_pool.free_block_queue
-        door = type(getattr(queue, "gate", None)) is _pool_guard._Door
+        door = _pool_guard.is_door(getattr(queue, "gate", None))
         assert door is guard, "the probed pool runs the path of a pool without its guard"
         for m in own:
             installed = BlockPool.__dict__[m]

@@ -848,7 +848,7 @@ def test_the_entry_is_open_once_the_guard_is_off(queue_mod: ModuleType) -> None:
         table = manager.req_to_blocks
         table["A"].extend(pool.get_new_blocks(1))
         (block,) = table["A"]
-        assert isinstance(pool.free_block_queue.gate, _pool_guard._Door)
+        assert _pool_guard.is_door(pool.free_block_queue.gate)
     block.ref_cnt -= 1
     pool.free_block_queue.prepend_n([block])  # unguarded: vLLM's own behaviour
     assert block.prev_free_block is not None

@@ -840,3 +840,68 @@ def test_passes_hand_out_is_first_held_free_and_first_listed(
     assert screen.passes_hand_out(head, n, None, None) is clean
     listed = clean and screen.first_listed(head, n, counts, chain) is None
     assert screen.passes_hand_out(head, n, counts, chain) is listed
+
+
+class _Index:
+    """What a door reads of the holder index: its counts and its pool's blocks."""
+
+    def __init__(self, counts: list[Any], blocks: list[Any]) -> None:
+        self.counts = counts
+        self.blocks = blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_door_stops_a_block_of_its_pool_held_or_listed(
+    screen: ModuleType, id_block_class: type, seed: int
+) -> None:
+    """A batch with a block of the door's pool that a live request lists, or that holds a
+    reference (an int exactly), goes to ``stopped``, whose answer is what the queue links;
+    any other batch is let in as it is, and every batch while the pool's frees run."""
+    rng = random.Random(seed)
+    pool_blocks = _pool_of(id_block_class, rng, 8)
+    for block in pool_blocks:
+        block.ref_cnt = rng.choice([0, 0, 0, 1, -1, _Count(1), "1"])
+    # Another pool's blocks at the same ids, and ids past the counts or of no int exactly.
+    strangers = [id_block_class(1) for _ in range(4)]
+    for block, block_id in zip(strangers, [2, 8, True, 2**70], strict=True):
+        block.block_id = block_id
+    counts = [rng.choice([0, 0, 0, 1]) for _ in pool_blocks[:6]]  # the last two: past them
+    stops: list[tuple[Any, str, Any]] = []
+
+    def stopped(door: Any, method: str, blocks: Any) -> Any:
+        stops.append((door, method, blocks))
+        return blocks[:1]
+
+    door = screen.Door("a weak reference", _Index(counts, pool_blocks), stopped)
+    assert (door.pool, door.freeing) == ("a weak reference", 0)
+    for _ in range(30):
+        batch = [rng.choice(pool_blocks + strangers) for _ in range(rng.randrange(5))]
+        made: Any = rng.choice([list, tuple])
+        given = made(batch)
+        own = [b for b in batch if any(b is each for each in pool_blocks[:6])]
+        held = [b for b in own if counts[b.block_id] or (type(b.ref_cnt) is int and b.ref_cnt > 0)]
+        got = door(rng.choice(["append", "append_n", "prepend_n"]), given)
+        if held:
+            assert got == given[:1]
+            assert stops.pop()[::2] == (door, given)
+        else:
+            assert got is given
+        assert stops == []
+        door.freeing = 1
+        assert door("append_n", given) is given
+        door.freeing = 0
+
+
+def test_the_door_reads_the_id_then_the_count_of_its_pools_blocks(screen: ModuleType) -> None:
+    pool_blocks = [Suspect(i) for i in range(3)]
+    stranger = Suspect(1)
+    index = _Index([0, 0, 0], pool_blocks)
+    door = screen.Door(None, index, lambda *args: pytest.fail("nothing to stop"))
+    Suspect.reads.clear()
+    batch = [pool_blocks[0], stranger, pool_blocks[2]]
+    assert door("append_n", batch) is batch
+    assert Suspect.reads == ["block_id", "ref_cnt", "block_id", "block_id", "ref_cnt"]
+    Suspect.reads.clear()
+    door.freeing = 2
+    door("append_n", pool_blocks)
+    assert Suspect.reads == []

@@ -41,6 +41,7 @@ __all__ = (
     "door",
     "guard",
     "in_place",
+    "is_door",
     "originals",
     "pool_repairs",
     "screens",
@@ -344,8 +345,8 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         # vLLM iterates its argument once; a list made here is what it iterates,
         # so what was screened is what is freed.
         blocks = list(blocks)
-        door = getattr(self.free_block_queue, "gate", None)
-        if type(door) is not _Door:
+        door: Any = getattr(self.free_block_queue, "gate", None)
+        if not is_door(door):
             freed(blocks)
             return screened(self, blocks, args, kwargs, None)
         # A free screened here passes the free list's entry: its releases are checked here
@@ -362,59 +363,50 @@ def _free_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
         guards: Any = made.screen
         made_here: Callable[..., Any] = guards.free_guard(
-            original, slow, _Door, freed, own, weak, releases
+            original, slow, freed, own, weak, releases
         )
         return made_here
 
     return _adapter(made, line, free, passing)
 
 
-class _Door:
-    """The free list's entry of one pool with a holder index (its queue's ``gate``): a
-    block that holds a reference, or that a live request lists, is not queued free by
-    anything but the pool's guarded frees, while its ``free_blocks`` is kvqueue's guard;
-    O(len(blocks)) a batch."""
-
-    __slots__ = ("freeing", "index", "pool")
-
-    def __init__(self, pool: Any, index: _index.Index) -> None:
-        self.pool = weakref.ref(pool)
-        self.index = index
-        self.freeing = 0  # the pool's guarded frees under way
-
-    def __call__(self, method: str, blocks: Any) -> Any:
-        if self.freeing:
-            return blocks
-        listings = self.index.listings
-        for block in blocks:
-            listed = listings(block)
-            if listed is None:  # not the pool's: the queue's own checks
-                continue
-            refs = getattr(block, "ref_cnt", 0)
-            if listed or (type(refs) is int and refs > 0):
-                return self._stopped(method, blocks)
+def _stopped(door: Any, method: str, blocks: Any) -> Any:
+    """What a pool's door (the twins' ``Door``) stopped: to the free list's entry rule, or,
+    with the guard off, let in as vLLM's queue would."""
+    pool = door.pool()
+    made = None if pool is None else _free_guard_of(pool)
+    if made is None:  # the guard is off: vLLM's queue as it is
+        # A listed block let in: the free list's exit reads the index again while it is.
+        door.index.let_in(blocks)
         return blocks
+    return _audit.enter(pool, method, blocks, door.index, made.policy)
 
-    def _stopped(self, method: str, blocks: Any) -> Any:
-        pool = self.pool()
-        made = None if pool is None else _free_guard_of(pool)
-        if made is None:  # the guard is off: vLLM's queue as it is
-            # A listed block let in: the free list's exit reads the index again while it is.
-            self.index.let_in(blocks)
-            return blocks
-        return _audit.enter(pool, method, blocks, self.index, made.policy)
+
+# The twins' door types made here (of the screens a guard ran with): a gate is kvqueue's
+# door only if its type is one of these, by identity.
+_DOORS: set[type] = set()
+
+
+def is_door(gate: object) -> bool:
+    """Whether ``gate`` (a queue's) is a door kvqueue gave it."""
+    return type(gate) in _DOORS
 
 
 def door(pool: Any, index: _index.Index) -> None:
-    """Give ``pool``'s queue (kvqueue's, without a gate) the free list's entry check, if
-    the pool's ``free_blocks`` is kvqueue's guard; a door the pool's queue has already is
-    given ``index``, the pool's new one (a free reads the index there)."""
+    """Give ``pool``'s queue (kvqueue's, without a gate) the free list's entry check (its
+    guard's twin's ``Door``: a block that holds a reference, or that a live request lists,
+    is not queued free by anything but the pool's guarded frees), if the pool's
+    ``free_blocks`` is kvqueue's guard; a door the pool's queue has already is given
+    ``index``, the pool's new one (a free reads the index there)."""
     queue: Any = getattr(pool, "free_block_queue", None)
     gate = getattr(queue, "gate", _MISSING)
-    if type(gate) is _Door and gate.pool() is pool:
+    made = _free_guard_of(pool)
+    if is_door(gate) and gate.pool() is pool:
         gate.index = index
-    elif _free_guard_of(pool) is not None and gate is None:
-        queue.gate = _Door(pool, index)
+    elif made is not None and gate is None:
+        kind = made.screen.Door
+        _DOORS.add(kind)
+        queue.gate = kind(weakref.ref(pool), index, _stopped)
 
 
 def _once_guard(made: _Guard, line: Any) -> Callable[..., Any]:
@@ -467,7 +459,7 @@ def _touch_guard(made: _Guard, line: Any) -> Callable[..., Any]:
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
         guards: Any = made.screen
         made_here: Callable[..., Any] = guards.touch_guard(
-            original, slow, _index.INDEXES, _Door, own, weak
+            original, slow, _index.INDEXES, own, weak
         )
         return made_here
 
@@ -523,7 +515,7 @@ def _alloc_guard(made: _Guard, line: Any) -> Callable[..., Any]:
         return original(self, num_blocks, *args, **kwargs)
 
     def passing(slow: Callable[..., Any]) -> Callable[..., Any]:
-        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes, _Door)
+        made_here: Callable[..., Any] = made.screen.alloc_guard(original, slow, indexes)
         return made_here
 
     return _adapter(made, line, alloc, passing)

@@ -2,6 +2,7 @@
 from ._screen_py import HOLDER_FAULTS as HOLDER_FAULTS
 from ._screen_py import OTHER_POOLS as OTHER_POOLS
 from ._screen_py import REPEATS as REPEATS
+from ._screen_py import Door as Door
 from ._screen_py import Listed as Listed
 from ._screen_py import Table as Table
 from ._screen_py import alloc_guard as alloc_guard
@@ -24,6 +25,7 @@ __all__ = (
     "HOLDER_FAULTS",
     "OTHER_POOLS",
     "REPEATS",
+    "Door",
     "Listed",
     "Table",
     "alloc_guard",

@@ -39,6 +39,7 @@ __all__ = (
     "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
+    "Door",
     "Listed",
     "Table",
     "alloc_guard",
@@ -502,24 +503,76 @@ def passes_hand_out(object head, Py_ssize_t n, list counts, list pool_blocks):
     return _first_unfit(head, n, counts, pool_blocks) is None
 
 
+@cython.final
+@cython.auto_pickle(False)
+cdef class Door:
+    """The free list's entry of one pool with a holder index (its queue's ``gate``): a
+    block that holds a reference, or that a live request lists (``index``'s counts), is
+    not let in, but while ``freeing`` (the pool's guarded frees under way, which checked
+    their blocks). ``pool``: a weak reference to the pool; ``stopped(door, method, blocks)``
+    decides a batch the door stops and returns what is linked. O(len(blocks)) a batch.
+
+    Fields are read as ``getattr(block, name, default)``: ``block_id`` (None), and for a
+    block of the pool (``index.blocks[block_id]``, its ``block_id`` an int exactly within
+    both of the index's lists) ``ref_cnt`` (0), block by block, up to the first that is
+    stopped."""
+
+    # C fields: the guards read them at every call, and move freeing twice a free.
+    cdef public object pool
+    cdef public object index
+    cdef public object stopped
+    cdef public Py_ssize_t freeing
+
+    def __init__(self, pool, index, stopped):
+        self.pool = pool
+        self.index = index
+        self.stopped = stopped
+        self.freeing = 0
+
+    def __call__(self, method, blocks):
+        cdef Py_ssize_t block_id, refs
+        cdef _IdLayout lay
+        if self.freeing:
+            return blocks
+        index = self.index
+        counts = index.counts
+        pool_blocks = index.blocks
+        lay.type = NULL
+        for block in blocks:
+            value = _id_only(block, &lay)
+            # Both lengths read after the block's read, which may run code that changes them.
+            if type(value) is not int or not kvs_count(<PyObject *>value, &block_id):
+                continue  # not the pool's: the queue's own checks
+            if block_id < 0 or block_id >= len(counts) or block_id >= len(pool_blocks):
+                continue
+            if pool_blocks[block_id] is not block:
+                continue
+            value = getattr(block, "ref_cnt", 0)
+            if counts[block_id] or (
+                type(value) is int and kvs_count(<PyObject *>value, &refs) and refs > 0
+            ):
+                return self.stopped(self, method, blocks)
+        return blocks
+
+
 # Not a value a caller passes: a call without the first argument.
 cdef object _MISSING = object()
 # A pool's counts and blocks where it has no holder index: its passing paths check no listing.
 cdef tuple _NO_INDEX = (None, None)
 
 
-cdef tuple _exit_index(object pool, object queue, type door_type, dict indexes):
+cdef tuple _exit_index(object pool, object queue, dict indexes):
     """What a block leaving ``pool``'s free list is checked against: the holder index's counts
     and blocks, or ``_NO_INDEX`` when no listed block can be in the list. Behind a door (its
-    queue's ``door_type`` of ``pool``, which holds the index; its weak reference, a
+    queue's :class:`Door` of ``pool``, which holds the index; its weak reference, a
     ``weakref.ref`` exactly, read as the pool's, not called), the entry lets no listed block
     in, and a block listed while it looked free is kept in the index's ``loose``: the counts
     are read only while one of those is still listed and free (``Index.prune``). Else the
     index in ``indexes`` (``id(pool)`` -> (weak reference, index)), whose counts are read
     whatever the list holds."""
     door = getattr(queue, "gate", None)
-    if type(door) is door_type and kvs_refers_to(door.pool, pool):
-        held = door.index
+    if type(door) is Door and kvs_refers_to((<Door>door).pool, pool):
+        held = (<Door>door).index
         if held.loose and held.prune():
             return (held.counts, held.blocks)
         return _NO_INDEX
@@ -528,10 +581,10 @@ cdef tuple _exit_index(object pool, object queue, type door_type, dict indexes):
     return _NO_INDEX if held is None else (held.counts, held.blocks)
 
 
-def alloc_guard(object original, object slow, dict indexes, type door_type):
+def alloc_guard(object original, object slow, dict indexes):
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
     int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index:
-    its queue's door's, a ``door_type``, else the one in ``indexes``: ``id(pool)`` -> (weak
+    its queue's :class:`Door`'s, else the one in ``indexes``: ``id(pool)`` -> (weak
     reference, index)), goes to vLLM's ``original`` as it is; every other call goes to
     ``slow`` (the guard in full, which screens again and says what it finds). O(blocks asked
     for)."""
@@ -545,7 +598,7 @@ def alloc_guard(object original, object slow, dict indexes, type door_type):
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            counts, blocks = _exit_index(self, queue, door_type, indexes)
+            counts, blocks = _exit_index(self, queue, indexes)
             if _first_unfit(queue.fake_free_list_head, num_blocks, counts, blocks) is not None:
                 return slow(self, num_blocks)
         return original(self, num_blocks)
@@ -554,12 +607,11 @@ def alloc_guard(object original, object slow, dict indexes, type door_type):
 
 
 def free_guard(
-    object original, object slow, type door_type, object freed, bint own, bint weak,
-    bint releases,
+    object original, object slow, object freed, bint own, bint weak, bint releases
 ):
     """``free_blocks`` or ``unpin_blocks`` guarded on the path vLLM takes: blocks given by
     position alone (iterated once, into a list, which is what vLLM is given) to a pool whose
-    queue's ``gate`` is a ``door_type`` (the free list's entry, with the holder index), that
+    queue's ``gate`` is a :class:`Door` (the free list's entry, with the holder index), that
     :func:`passes_free` passes (against that index when ``releases``): the free is kept
     (``freed(blocks, depth)``) unless the index checked it, and vLLM's ``original`` runs with
     the door open to it. Every other call goes to ``slow`` (the guard in full) with that list.
@@ -571,9 +623,10 @@ def free_guard(
         if args or kwargs:
             return slow(self, blocks, *args, **kwargs)
         blocks = list(blocks)
-        door = getattr(self.free_block_queue, "gate", None)
-        if type(door) is not door_type:
+        gate = getattr(self.free_block_queue, "gate", None)
+        if type(gate) is not Door:
             return slow(self, blocks)
+        cdef Door door = <Door>gate
         held = door.index if releases else None
         counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
         pool = self._weak_self if weak else self if own else None
@@ -590,9 +643,7 @@ def free_guard(
     return free_blocks
 
 
-def touch_guard(
-    object original, object slow, dict indexes, type door_type, bint own, bint weak
-):
+def touch_guard(object original, object slow, dict indexes, bint own, bint weak):
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
     once, into a list, which is what vLLM is given) that :func:`passes_touch` passes (against
     the pool's holder index, found as :func:`alloc_guard` finds it) go to vLLM's ``original``;
@@ -609,7 +660,7 @@ def touch_guard(
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists. The queue read as vLLM's touch may never read it (only for a free block).
         queue = getattr(self, "free_block_queue", None)
-        counts, pool_blocks = _exit_index(self, queue, door_type, indexes)
+        counts, pool_blocks = _exit_index(self, queue, indexes)
         pool = self._weak_self if weak else self if own else None
         if _passes_touch(blocks, pool, counts, pool_blocks):
             return original(self, blocks)

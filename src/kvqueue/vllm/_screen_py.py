@@ -36,6 +36,7 @@ __all__ = (
     "NO_POOL",
     "OTHER_POOLS",
     "REPEATS",
+    "Door",
     "Listed",
     "Table",
     "alloc_guard",
@@ -277,23 +278,63 @@ def passes_hand_out(head: Any, n: int, counts: list[int] | None, pool_blocks: li
     return _first_unfit(head, n, counts, pool_blocks) is None
 
 
+class Door:
+    """The free list's entry of one pool with a holder index (its queue's ``gate``): a
+    block that holds a reference, or that a live request lists (``index``'s counts), is
+    not let in, but while ``freeing`` (the pool's guarded frees under way, which checked
+    their blocks). ``pool``: a weak reference to the pool; ``stopped(door, method, blocks)``
+    decides a batch the door stops and returns what is linked. O(len(blocks)) a batch.
+
+    Fields are read as ``getattr(block, name, default)``: ``block_id`` (None), and for a
+    block of the pool (``index.blocks[block_id]``, its ``block_id`` an int exactly within
+    both of the index's lists) ``ref_cnt`` (0), block by block, up to the first that is
+    stopped."""
+
+    __slots__ = ("freeing", "index", "pool", "stopped")
+
+    def __init__(self, pool: Any, index: Any, stopped: Any) -> None:
+        self.pool = pool
+        self.index = index
+        self.stopped = stopped
+        self.freeing = 0
+
+    def __call__(self, method: str, blocks: Any) -> Any:
+        if self.freeing:
+            return blocks
+        index = self.index
+        counts, pool_blocks = index.counts, index.blocks
+        for block in blocks:
+            block_id = getattr(block, "block_id", None)
+            if (
+                type(block_id) is not int
+                or not 0 <= block_id < len(counts)
+                or block_id >= len(pool_blocks)
+                or pool_blocks[block_id] is not block
+            ):
+                continue  # not the pool's: the queue's own checks
+            refs = getattr(block, "ref_cnt", 0)
+            if counts[block_id] or (type(refs) is int and refs > 0):
+                return self.stopped(self, method, blocks)
+        return blocks
+
+
 # Not a value a caller passes: a call without the first argument.
 _MISSING: Any = object()
 # A pool's counts and blocks where it has no holder index: its passing paths check no listing.
 _NO_INDEX: Any = (None, None)
 
 
-def _exit_index(pool: Any, queue: Any, door_type: Any, indexes: dict[int, Any]) -> Any:
+def _exit_index(pool: Any, queue: Any, indexes: dict[int, Any]) -> Any:
     """What a block leaving ``pool``'s free list is checked against: the holder index's counts
     and blocks, or ``_NO_INDEX`` when no listed block can be in the list. Behind a door (its
-    queue's ``door_type`` of ``pool``, which holds the index; its weak reference, a
+    queue's :class:`Door` of ``pool``, which holds the index; its weak reference, a
     ``weakref.ref`` exactly, read as the pool's, not called), the entry lets no listed block
     in, and a block listed while it looked free is kept in the index's ``loose``: the counts
     are read only while one of those is still listed and free (``Index.prune``). Else the
     index in ``indexes`` (``id(pool)`` -> (weak reference, index)), whose counts are read
     whatever the list holds."""
     door: Any = getattr(queue, "gate", None)
-    if type(door) is door_type:
+    if type(door) is Door:
         ref = door.pool
         if type(ref) is ReferenceType and ref() is pool:
             held = door.index
@@ -305,10 +346,10 @@ def _exit_index(pool: Any, queue: Any, door_type: Any, indexes: dict[int, Any]) 
     return _NO_INDEX if held is None else (held.counts, held.blocks)
 
 
-def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: Any) -> Any:
+def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
     """``get_new_blocks`` guarded on the path vLLM takes: a count given by position alone, an
     int exactly, whose blocks :func:`passes_hand_out` passes (against the pool's holder index:
-    its queue's door's, a ``door_type``, else the one in ``indexes``: ``id(pool)`` -> (weak
+    its queue's :class:`Door`'s, else the one in ``indexes``: ``id(pool)`` -> (weak
     reference, index)), goes to vLLM's ``original`` as it is; every other call goes to
     ``slow`` (the guard in full, which screens again and says what it finds). O(blocks asked
     for)."""
@@ -322,7 +363,7 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: An
         # Asked for more than is free, or for none: vLLM's own answer, from vLLM.
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
-            counts, blocks = _exit_index(self, queue, door_type, indexes)
+            counts, blocks = _exit_index(self, queue, indexes)
             if not passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
                 return slow(self, num_blocks)
         return original(self, num_blocks)
@@ -330,9 +371,7 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any], door_type: An
     return get_new_blocks
 
 
-def touch_guard(
-    original: Any, slow: Any, indexes: dict[int, Any], door_type: Any, own: bool, weak: bool
-) -> Any:
+def touch_guard(original: Any, slow: Any, indexes: dict[int, Any], own: bool, weak: bool) -> Any:
     """``touch`` guarded on the path vLLM takes: blocks given by position alone (iterated
     once, into a list, which is what vLLM is given) that :func:`passes_touch` passes (against
     the pool's holder index, found as :func:`alloc_guard` finds it) go to vLLM's ``original``;
@@ -349,7 +388,7 @@ def touch_guard(
         # A prefix hit takes a block out of the free list's middle: not one a live request
         # lists. The queue read as vLLM's touch may never read it (only for a free block).
         queue = getattr(self, "free_block_queue", None)
-        counts, pool_blocks = _exit_index(self, queue, door_type, indexes)
+        counts, pool_blocks = _exit_index(self, queue, indexes)
         pool = self._weak_self if weak else self if own else None
         if passes_touch(blocks, pool, counts, pool_blocks):
             return original(self, blocks)
@@ -358,12 +397,10 @@ def touch_guard(
     return touch
 
 
-def free_guard(
-    original: Any, slow: Any, door_type: Any, freed: Any, own: bool, weak: bool, releases: bool
-) -> Any:
+def free_guard(original: Any, slow: Any, freed: Any, own: bool, weak: bool, releases: bool) -> Any:
     """``free_blocks`` or ``unpin_blocks`` guarded on the path vLLM takes: blocks given by
     position alone (iterated once, into a list, which is what vLLM is given) to a pool whose
-    queue's ``gate`` is a ``door_type`` (the free list's entry, with the holder index), that
+    queue's ``gate`` is a :class:`Door` (the free list's entry, with the holder index), that
     :func:`passes_free` passes (against that index when ``releases``): the free is kept
     (``freed(blocks, depth)``) unless the index checked it, and vLLM's ``original`` runs with
     the door open to it. Every other call goes to ``slow`` (the guard in full) with that list.
@@ -376,7 +413,7 @@ def free_guard(
             return slow(self, blocks, *args, **kwargs)
         blocks = list(blocks)
         door: Any = getattr(self.free_block_queue, "gate", None)
-        if type(door) is not door_type:
+        if type(door) is not Door:
             return slow(self, blocks)
         held = door.index if releases else None
         counts, pool_blocks = _NO_INDEX if held is None else (held.counts, held.blocks)
