@@ -25,6 +25,7 @@ import ctypes
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
+from itertools import islice
 from typing import Any, SupportsIndex
 from weakref import ReferenceType
 
@@ -206,14 +207,15 @@ def passes_free(
     the first block that fails; a count of no int fails too."""
     # By identity, each block held while the pass runs: one given twice fails.
     seen: dict[int, Any] = {}
-    for _, block in zip(range(len(blocks)), blocks, strict=False):
+    for block in islice(blocks, len(blocks)):
         if pool is not None and block.pool is not pool:
             return False
         if block.is_null:
             continue
-        if id(block) in seen or block.prev_free_block is not None:
+        key = id(block)
+        if key in seen or block.prev_free_block is not None:
             return False
-        seen[id(block)] = block
+        seen[key] = block
         refs = block.ref_cnt
         if type(refs) is not int or refs < 1:
             return False
@@ -227,9 +229,11 @@ def passes_free(
             continue
         if type(block_id) is not int or not 0 <= block_id < len(counts):
             continue
-        if counts[block_id] is _ZERO:
+        listed: int | None = counts[block_id]
+        if listed is _ZERO:
             continue
-        listed = _count(counts[block_id])
+        if type(listed) is not int:
+            listed = _count(listed)
         if (
             listed != 0
             and block_id < len(pool_blocks)
@@ -251,7 +255,7 @@ def passes_touch(
 
     Fields are read in the order ``pool``, ``is_null``, ``ref_cnt``, and for a ``ref_cnt``
     of 0 ``block_id`` (``counts`` given), up to the first block that fails."""
-    for _, block in zip(range(len(blocks)), blocks, strict=False):
+    for block in islice(blocks, len(blocks)):
         if pool is not None and block.pool is not pool:
             return False
         if block.is_null:
@@ -364,7 +368,7 @@ def alloc_guard(original: Any, slow: Any, indexes: dict[int, Any]) -> Any:
         if 0 < num_blocks <= queue.num_free_blocks:
             # The free list's exit: a block a live request lists is never handed out.
             counts, blocks = _exit_index(self, queue, indexes)
-            if not passes_hand_out(queue.fake_free_list_head, num_blocks, counts, blocks):
+            if _first_unfit(queue.fake_free_list_head, num_blocks, counts, blocks) is not None:
                 return slow(self, num_blocks)
         return original(self, num_blocks)
 
