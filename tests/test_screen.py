@@ -905,3 +905,28 @@ def test_the_door_reads_the_id_then_the_count_of_its_pools_blocks(screen: Module
     door.freeing = 2
     door("append_n", pool_blocks)
     assert Suspect.reads == []
+
+
+def test_a_door_whose_block_empties_the_index_raises(screen: ModuleType) -> None:
+    """Code a block runs as the door reads it (its ``ref_cnt``) may empty the index's lists:
+    the count read after it raises IndexError, never reads past the list."""
+    counts = [0, 0]
+
+    class Emptying(SlottedIdBlock):
+        __slots__ = ()
+
+        @property
+        def ref_cnt(self) -> int:
+            counts.clear()
+            return 0
+
+        @ref_cnt.setter
+        def ref_cnt(self, value: int) -> None:
+            pass
+
+    pool_blocks = [Emptying(0), Emptying(0)]
+    for i, block in enumerate(pool_blocks):
+        block.block_id = i
+    door = screen.Door(None, _Index(counts, pool_blocks), lambda *args: args[2])
+    with pytest.raises(IndexError):
+        door("append_n", [pool_blocks[1]])

@@ -529,6 +529,9 @@ cdef class Door:
         self.stopped = stopped
         self.freeing = 0
 
+    # The index's lists are read by position after code a block runs (a property), which may
+    # have shortened them: each read is checked, and raises as the pure twin's does.
+    @cython.boundscheck(True)
     def __call__(self, method, blocks):
         cdef Py_ssize_t block_id, refs
         cdef _IdLayout lay
