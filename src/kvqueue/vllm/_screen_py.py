@@ -15,8 +15,8 @@ by its int value) is a misuse at that block: the guard says what it is.
 The holder index's tables and lists (:class:`Table`, :class:`Listed`) are here too, each
 twin's its own: vLLM reads them at every step, and the compiled twin's are C types, whose
 item reads are list's and dict's own. So are the guards' passing paths (:func:`alloc_guard`,
-:func:`touch_guard`, :func:`free_guard`): vLLM calls them several times a step, and the
-compiled twin's run no Python frame.
+:func:`touch_guard`, :func:`free_guard`) and the free list's :class:`Door`: vLLM calls them
+several times a step, and the compiled twin's run no Python frame.
 """
 
 from __future__ import annotations
