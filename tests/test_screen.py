@@ -930,3 +930,17 @@ def test_a_door_whose_block_empties_the_index_raises(screen: ModuleType) -> None
     door = screen.Door(None, _Index(counts, pool_blocks), lambda *args: args[2])
     with pytest.raises(IndexError):
         door("append_n", [pool_blocks[1]])
+
+
+def test_a_door_is_neither_copied_nor_subclassed(screen: ModuleType) -> None:
+    """A door is one pool's and counts its frees under way: a copy would count apart. The
+    compiled door is a final type; the pure one refuses subclasses alike."""
+    import copy
+    import pickle
+
+    door = screen.Door(None, _Index([], []), None)
+    for refused in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="door cannot be copied or pickled"):
+            refused(door)
+    with pytest.raises(TypeError, match="not an acceptable base type"):
+        type("Sub", (screen.Door,), {})

@@ -345,6 +345,13 @@ UNCOPYABLE = wrap(
     len("TypeError: "),
 )
 
+# Raised as a TypeError by both twins' door (kvqueue.vllm's screens).
+DOOR_UNCOPYABLE = wrap(
+    "a free list's door cannot be copied or pickled: it is one pool's, and counts that pool's "
+    "frees under way",
+    len("TypeError: "),
+)
+
 INITIALIZED = "the queue is already initialized"
 BUILDING = "the queue is being initialized: __init__ cannot be called again from inside it"
 UNINITIALIZED = "the queue is not initialized"

@@ -32,6 +32,7 @@ import weakref
 from collections import defaultdict
 from weakref import ReferenceType
 
+from .. import _errors
 from ._own import own_attribute
 
 __all__ = (
@@ -528,6 +529,10 @@ cdef class Door:
         self.index = index
         self.stopped = stopped
         self.freeing = 0
+
+    def __reduce_ex__(self, protocol, /):
+        """Refuse: copy, deepcopy and pickle raise TypeError."""
+        raise TypeError(_errors.DOOR_UNCOPYABLE)
 
     # The index's lists are read by position after code a block runs (a property), which may
     # have shortened them: each read is checked, and raises as the pure twin's does.

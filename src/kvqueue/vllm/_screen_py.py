@@ -26,9 +26,10 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from itertools import islice
-from typing import Any, SupportsIndex
+from typing import Any, NoReturn, SupportsIndex
 from weakref import ReferenceType
 
+from .. import _errors
 from .._block import is_subtype
 from ._own import own_attribute
 
@@ -296,11 +297,19 @@ class Door:
 
     __slots__ = ("freeing", "index", "pool", "stopped")
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # The compiled twin is a final type; keep the twins interchangeable.
+        raise TypeError("Door is not an acceptable base type")
+
     def __init__(self, pool: Any, index: Any, stopped: Any) -> None:
         self.pool = pool
         self.index = index
         self.stopped = stopped
         self.freeing = 0
+
+    def __reduce_ex__(self, protocol: object, /) -> NoReturn:
+        """Refuse: copy, deepcopy and pickle raise TypeError."""
+        raise TypeError(_errors.DOOR_UNCOPYABLE)
 
     def __call__(self, method: str, blocks: Any) -> Any:
         if self.freeing:
