@@ -696,8 +696,10 @@ def test_the_counts_and_suspects_leave_memory_flat(screen: ModuleType, traced: b
         if traced:
             tracemalloc.stop()
     assert after[0] == before[0]
-    assert abs(after[1] - before[1]) <= 10
-    assert abs(grown) <= 32 * 1024
+    # A leak grows; what the suite's earlier tests left to be freed meanwhile (a block class
+    # of theirs, its instances) only shrinks the totals, by as much as those tests left.
+    assert after[1] - before[1] <= 10
+    assert grown <= 32 * 1024
 
 
 # -- the passing paths' screens: each the conjunction of two screens above, in one pass.
