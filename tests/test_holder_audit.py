@@ -481,6 +481,11 @@ def test_the_step_guard_reads_only_a_step_with_something_to_read(queue_mod: Modu
     places[id(other)] = places[id(manager)]  # another's place, found by its id: read
     new_step_starts(other)
     assert reads[-1] == (other, 2)
+    # Called with no argument, as vLLM calls it, or with any.
+    assert called[1:] == [(manager, (), {})] * 5 + [(other, (), {})]
+    new_step_starts(other, k=3)
+    new_step_starts(other, 4)
+    assert called[-2:] == [(other, (), {"k": 3}), (other, (4,), {})]
 
 
 def test_recent_frees_are_the_last_batches_kept() -> None:

@@ -716,7 +716,11 @@ def step_guard(
             every = policy.every
             if not _quiet_step(self, places, tally, every):
                 read(self, every)
-        return original(self, *args, **kwargs)
+        # vLLM calls it with no argument: a call that passes none is the interpreter's
+        # quick one (no tuple or dict built for them).
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        return original(self)
 
     return new_step_starts
 
