@@ -765,6 +765,11 @@ def test_passes_free_sends_the_unusual_to_the_full_guard(screen: ModuleType) -> 
     assert screen.passes_free([block], POOL, [_Count(0)], [block]) is True  # a 0 of a subclass
     assert screen.passes_free([block], POOL, ["one"], [block]) is False
     assert screen.passes_free([block], POOL, ["one"], [IdBlock(0)]) is True  # not this block
+    block.block_id = -1  # no place in the counts, nor the last one
+    assert screen.passes_free([block], POOL, [2], [block]) is True
+    block.block_id = 1  # beyond the counts
+    assert screen.passes_free([block], POOL, [2], [IdBlock(0), block]) is True
+    block.block_id = 0
     assert screen.passes_free([block], None, None, None) is True  # a line without pools
 
 

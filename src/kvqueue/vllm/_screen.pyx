@@ -376,7 +376,7 @@ def passes_free(list blocks, object pool, list counts, list pool_blocks):
 
 
 cdef bint _passes_free(list blocks, object pool, list counts, list pool_blocks) except -1:
-    cdef Py_ssize_t n = len(blocks), i = 0, cap = 8, mask, slot, refs, listed
+    cdef Py_ssize_t n = len(blocks), i = 0, cap = 8, mask, slot, refs
     cdef PyObject *stack[_STACK_SLOTS]
     cdef PyObject **seen = stack
     cdef bint passes = True
@@ -421,11 +421,9 @@ cdef bint _passes_free(list blocks, object pool, list counts, list pool_blocks) 
             if type(value) is not int or not kvs_count(<PyObject *>value, &refs) or refs < 1:
                 passes = False
                 break
-            if counts is not None:
-                listed = _listings(block, &lay, counts, pool_blocks)
-                if listed < 0 or refs <= listed:
-                    passes = False
-                    break
+            if counts is not None and _short(block, &lay, refs, counts, pool_blocks):
+                passes = False
+                break
     finally:
         for slot in range(cap):
             if seen[slot] is not NULL:
@@ -435,30 +433,27 @@ cdef bint _passes_free(list blocks, object pool, list counts, list pool_blocks) 
     return passes
 
 
-cdef inline Py_ssize_t _listings(
-    object block, _Layout *lay, list counts, list pool_blocks
-) except -2:
-    """``counts[block_id]`` (the holder index's) for a block that is ``pool_blocks[block_id]``,
-    its ``block_id`` (read as ``getattr(block, "block_id", None)``) an int exactly within both
-    lists; else 0; -1 for a count of no int."""
+cdef inline bint _short(
+    object block, _Layout *lay, Py_ssize_t refs, list counts, list pool_blocks
+) except -1:
+    """Whether ``block``, which holds ``refs`` references, is ``pool_blocks[block_id]`` and
+    listed (``counts[block_id]``, the holder index's) ``refs`` times or more, or by a count
+    of no int; its ``block_id`` (read as ``getattr(block, "block_id", None)``) an int exactly
+    within both lists, else it is not."""
     cdef Py_ssize_t block_id, listed
     value = _field(block, lay, _BLOCK_ID, "block_id", True)
     if type(value) is not int or not kvs_count(<PyObject *>value, &block_id):
-        return 0
+        return False
     # Both lengths read after the block's read, which may run code that changes them; the
-    # count first: most blocks a check reads are listed by none.
+    # count first: a count below the references (most blocks a free releases are listed by
+    # none) passes whoever's block it is, and the pool's list is not read.
     if block_id < 0 or block_id >= PyList_GET_SIZE(counts):
-        return 0
-    item = PyList_GET_ITEM(counts, block_id)
-    if kvs_count(item, &listed) and listed == 0:
-        return 0
+        return False
+    if kvs_count(PyList_GET_ITEM(counts, block_id), &listed) and listed < refs:
+        return False
     if block_id >= PyList_GET_SIZE(pool_blocks):
-        return 0
-    if PyList_GET_ITEM(pool_blocks, block_id) != <PyObject *>block:
-        return 0
-    if not kvs_count(item, &listed):
-        return -1
-    return listed
+        return False
+    return PyList_GET_ITEM(pool_blocks, block_id) == <PyObject *>block
 
 
 def passes_touch(list blocks, object pool, list counts, list pool_blocks):

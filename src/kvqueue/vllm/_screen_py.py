@@ -223,15 +223,19 @@ def passes_free(
         if counts is None:
             continue
         # _own_listings inlined: a free passes it for each block. A count of 0 is the
-        # interpreter's one 0 object (the index adds and takes exact ints), the quick way past.
+        # interpreter's one 0 object (the index adds and takes exact ints), the quick way past;
+        # a count below the references passes whoever's block it is, the pool's not read.
         try:
             block_id = block.block_id
         except AttributeError:  # read as none, as _own_listings does
             continue
-        if type(block_id) is not int or not 0 <= block_id < len(counts):
+        if type(block_id) is not int or block_id < 0:
             continue
-        listed: int | None = counts[block_id]
-        if listed is _ZERO:
+        try:
+            listed: int | None = counts[block_id]
+        except IndexError:
+            continue
+        if listed is _ZERO or (type(listed) is int and listed < refs):
             continue
         if type(listed) is not int:
             listed = _count(listed)
