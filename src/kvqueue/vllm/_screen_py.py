@@ -238,13 +238,10 @@ def passes_free(
         if listed is _ZERO or (type(listed) is int and listed < refs):
             continue
         if type(listed) is not int:
-            listed = _count(listed)
-        if (
-            listed != 0
-            and block_id < len(pool_blocks)
-            and pool_blocks[block_id] is block
-            and (listed is None or refs <= listed)
-        ):
+            listed = _count(listed)  # None: a count of no int, which the pool's block fails
+            if listed is not None and listed < refs:
+                continue
+        if block_id < len(pool_blocks) and pool_blocks[block_id] is block:
             return False
     return True
 
