@@ -10,7 +10,9 @@ pytest runs once per queue with our plugin (kvqueue_plugin.py). Tests that
 vllm_tests/excluded.txt lists for the line (each with its reason) are left out. The run fails
 when the three sets of passing tests differ, when a test not listed there fails with vLLM's
 own queue (the list is stale), when a listed path is not in the release, or when no test
-built a block pool.
+built a block pool. A test that did not pass every way runs twice more each way, alone: when it
+then passes every time it counts as passed and is named flaky (vLLM's long suites have timing,
+and state across files); any other outcome leaves the first run's.
 
 ``--suites``: ``full`` (the venv's line's default) runs every suite that builds a BlockPool or
 a Scheduler on the CPU (those the release has), ``core`` (an older line's default)
@@ -63,6 +65,8 @@ FULL = (
 CORE = ("tests/v1/core",)
 SUITES = {"quick": QUICK, "core": CORE, "full": FULL}
 TWINS = ("none", "cython", "python")
+# A flake is one test or a few; more than this many is a difference to read, not to rerun.
+RERUNS, MOST_RERUN = 2, 20
 # kvqueue's own tests that an older line runs (vllm_tests/ whole on the venv's line): the
 # double frees on its own BlockPool, the holder audit on its Scheduler, and the no-false-alarm
 # soak on it (the workloads its test helpers build). The plugin's loading is the same code on
@@ -112,13 +116,20 @@ def exclusion_args(targets: list[tuple[str, int]], root: Path) -> tuple[list[str
 
 
 def run_pytest(
-    twin: str, root: Path, suites: list[str], extra: list[str], work: Path, path: list[Path]
+    twin: str,
+    root: Path,
+    suites: list[str],
+    extra: list[str],
+    work: Path,
+    path: list[Path],
+    tag: str = "",
 ) -> dict[str, Any]:
     """One pytest run; its outcomes, {nodeid: {"outcome", "pools"}}. Raises on a crash.
 
-    ``path``: what goes on PYTHONPATH (the line's overlay, if any, then our plugin)."""
-    report = work / f"report-{twin}.json"
-    log = work / f"pytest-{twin}.log"
+    ``path``: what goes on PYTHONPATH (the line's overlay, if any, then our plugin); ``tag``
+    names a rerun's report and log."""
+    report = work / f"report-{twin}{tag}.json"
+    log = work / f"pytest-{twin}{tag}.log"
     report.unlink(missing_ok=True)
     env = dict(
         os.environ,
@@ -141,7 +152,7 @@ def run_pytest(
     # pytest's closing line; objects finalized at exit may print after it.
     closing = re.compile(r"\d+ (passed|failed).* in ")
     last = next((text for text in reversed(output) if closing.search(text)), "?")
-    print(f"[{twin}] {last} ({time.monotonic() - start:.0f} s; {log})", flush=True)
+    print(f"[{twin}{tag}] {last} ({time.monotonic() - start:.0f} s; {log})", flush=True)
     if not report.is_file():
         raise RuntimeError(f"pytest exited {code.returncode} without a report; see {log}")
     results: dict[str, Any] = json.loads(report.read_text(encoding="utf-8"))
@@ -178,6 +189,40 @@ def compare(results: dict[str, dict[str, Any]], release: str) -> tuple[list[str]
         if entry["outcome"] in ("failed", "error"):
             problems.append(f"fails with vLLM's own queue, not in excluded.txt: {name}")
     return problems, counts
+
+
+def unsettled(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The tests that did not pass every way, or failed with vLLM's own queue: each is run
+    again before it counts against the line."""
+    names = set()
+    for r in results.values():
+        names |= set(r)
+    return sorted(
+        name
+        for name in names
+        if len({r.get(name, {}).get("outcome") for r in results.values()}) > 1
+        or results.get("none", {}).get(name, {}).get("outcome") in ("failed", "error")
+    )
+
+
+def settle(
+    results: dict[str, dict[str, Any]], reruns: dict[str, list[dict[str, Any]]]
+) -> dict[str, list[str]]:
+    """The unsettled tests that passed every way in every rerun: flaky in a long run (vLLM's own
+    tests have timing and state across files), counted as passed in ``results``; {name: the
+    ways it did not pass at first}. Any other outcome of a rerun leaves the first run's."""
+    flaky = {}
+    names = {name for runs in reruns.values() for run in runs for name in run}
+    for name in sorted(names):
+        again = [run.get(name, {}).get("outcome") for runs in reruns.values() for run in runs]
+        if again and all(outcome == "passed" for outcome in again):
+            flaky[name] = [
+                twin for twin, r in results.items() if r.get(name, {}).get("outcome") != "passed"
+            ]
+            for r in results.values():
+                if name in r:
+                    r[name]["outcome"] = "passed"
+    return flaky
 
 
 def unmatched(
@@ -250,6 +295,8 @@ def table() -> str:
             else "not run"
         )
         same = "yes" if not summary["problems"] else f"no ({len(summary['problems'])})"
+        if flaky := summary.get("flaky"):
+            same += f" ({len(flaky)} flaky)"
         seconds = summary["seconds"] + k.get("seconds", 0)
         rows.append(f"| {each.name} | {each.release} | {summary['suites']} | {' | '.join(ways)} "
                     f"| {same} | {mine} | {seconds} |")  # fmt: skip
@@ -301,6 +348,17 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         runs = {t: pool.submit(run_pytest, t, root, suites, extra, work, path) for t in twins}
         results = {twin: run.result() for twin, run in runs.items()}
+    flaky = {}
+    suspects = unsettled(results)
+    if 0 < len(suspects) <= MOST_RERUN:
+        print(f"vllm-tests: {len(suspects)} tests did not pass every way; each runs {RERUNS} more")
+        tags = [f"-rerun{k}" for k in range(1, RERUNS + 1)]
+        reruns = {
+            t: [run_pytest(t, root, suspects, extra, work, path, k) for k in tags] for t in twins
+        }
+        flaky = settle(results, reruns)
+        for name, ways in flaky.items():
+            print(f"vllm-tests: flaky, then passed every way {RERUNS} times: {name} ({ways})")
     seconds = round(time.monotonic() - start)
     found, counts = compare(results, release)
     problems += found + unmatched(targets, suites, results[twins[0]], release)
@@ -311,7 +369,7 @@ def main() -> int:
     quick = chosen == "quick"
     mine = None if args.no_kvqueue_tests else kvqueue_tests(release, overlay, work, quick)
     summary = {"release": release, "suites": chosen, "counts": counts, "problems": problems,
-               "seconds": seconds, "kvqueue_tests": mine}  # fmt: skip
+               "flaky": flaky, "seconds": seconds, "kvqueue_tests": mine}  # fmt: skip
     (work / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return 1 if problems or (mine and mine["exit"]) else 0
 
