@@ -18,6 +18,7 @@ mismatch, ``urllib.error.URLError`` when the index cannot be reached.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -132,20 +133,29 @@ def tests_root(version: str) -> Path:
 def made_once(root: Path, marker: str, fill: Callable[[Path], None]) -> Path:
     """``root``, unless it is complete and made by ``marker``'s recipe, made again by
     ``fill`` in a staging directory beside it, then renamed: an interrupted fill leaves no
-    half-made ``root`` behind."""
+    half-made ``root`` behind. Processes that ask at once (pytest's workers) fill it once:
+    the others wait on a lock beside it, then find it made, never removed under them."""
     complete = root / _COMPLETE
-    if complete.is_file() and complete.read_text(encoding="utf-8") == marker:
+
+    def made() -> bool:
+        return complete.is_file() and complete.read_text(encoding="utf-8") == marker
+
+    if made():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    try:
-        fill(staging)
-        (staging / _COMPLETE).write_text(marker, encoding="utf-8")
-        shutil.rmtree(root, ignore_errors=True)
-        staging.rename(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if made():
+            return root
+        staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+        try:
+            fill(staging)
+            (staging / _COMPLETE).write_text(marker, encoding="utf-8")
+            shutil.rmtree(root, ignore_errors=True)
+            staging.rename(root)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return root
 
 
