@@ -376,6 +376,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log")
     ticks = [t for t in TICKS if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    # A log axis labels its minor ticks too when the range is short, over the ticks above.
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_yticks(range(len(rows)), [f"{r[0]['name']} @{r[0]['pool']:,}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ratio to {reference} (log scale; lower is faster), 95% interval")
