@@ -351,6 +351,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     reference = results["settings"]["reference"]
     rows = list(by_case(results).values())
@@ -377,7 +378,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     ticks = [t for t in TICKS if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     # A log axis labels its minor ticks too when the range is short, over the ticks above.
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_yticks(range(len(rows)), [f"{r[0]['name']} @{r[0]['pool']:,}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ratio to {reference} (log scale; lower is faster), 95% interval")

@@ -163,10 +163,7 @@ def compare(results: dict[str, dict[str, Any]], release: str) -> tuple[list[str]
     """What differs between the twins' runs (problems), and each twin's counts by outcome."""
     problems = []
     twins = list(results)
-    passed = {
-        twin: {name for name, entry in r.items() if entry["outcome"] == "passed"}
-        for twin, r in results.items()
-    }
+    passed = {twin: passing(r) for twin, r in results.items()}
     counts: dict[str, Any] = {}
     for twin in twins:
         tally: dict[str, int] = {}
@@ -191,18 +188,18 @@ def compare(results: dict[str, dict[str, Any]], release: str) -> tuple[list[str]
     return problems, counts
 
 
+def passing(run: dict[str, Any]) -> set[str]:
+    """The tests that passed in one run's outcomes."""
+    return {name for name, entry in run.items() if entry["outcome"] == "passed"}
+
+
 def unsettled(results: dict[str, dict[str, Any]]) -> list[str]:
-    """The tests that did not pass every way, or failed with vLLM's own queue: each is run
-    again before it counts against the line."""
-    names = set()
-    for r in results.values():
-        names |= set(r)
-    return sorted(
-        name
-        for name in names
-        if len({r.get(name, {}).get("outcome") for r in results.values()}) > 1
-        or results.get("none", {}).get(name, {}).get("outcome") in ("failed", "error")
-    )
+    """What :func:`compare` would hold against the line: the tests that passed some ways but
+    not all, and those that failed with vLLM's own queue. Each is run again first."""
+    passed = [passing(r) for r in results.values()]
+    alone = results.get("none", {})
+    failed = {name for name, entry in alone.items() if entry["outcome"] in ("failed", "error")}
+    return sorted(set.union(*passed) - set.intersection(*passed) | failed)
 
 
 def settle(
@@ -345,20 +342,23 @@ def main() -> int:
     path = [overlay, HERE] if overlay else [HERE]
     start = time.monotonic()
     # Each twin's pytest is its own process: --jobs 2 runs two at once (a 2-core CI machine).
+    flaky = {}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         runs = {t: pool.submit(run_pytest, t, root, suites, extra, work, path) for t in twins}
         results = {twin: run.result() for twin, run in runs.items()}
-    flaky = {}
-    suspects = unsettled(results)
-    if 0 < len(suspects) <= MOST_RERUN:
-        print(f"vllm-tests: {len(suspects)} tests did not pass every way; each runs {RERUNS} more")
-        tags = [f"-rerun{k}" for k in range(1, RERUNS + 1)]
-        reruns = {
-            t: [run_pytest(t, root, suspects, extra, work, path, k) for k in tags] for t in twins
-        }
-        flaky = settle(results, reruns)
-        for name, ways in flaky.items():
-            print(f"vllm-tests: flaky, then passed every way {RERUNS} times: {name} ({ways})")
+        suspects = unsettled(results)
+        if 0 < len(suspects) <= MOST_RERUN:
+            print(
+                f"vllm-tests: {len(suspects)} tests did not pass every way; each runs {RERUNS} more"
+            )
+            tags = [f"-rerun{k}" for k in range(1, RERUNS + 1)]
+            again = {
+                t: [pool.submit(run_pytest, t, root, suspects, extra, work, path, k) for k in tags]
+                for t in twins
+            }
+            flaky = settle(results, {t: [run.result() for run in r] for t, r in again.items()})
+            for name, ways in flaky.items():
+                print(f"vllm-tests: flaky, then passed every way {RERUNS} times: {name} ({ways})")
     seconds = round(time.monotonic() - start)
     found, counts = compare(results, release)
     problems += found + unmatched(targets, suites, results[twins[0]], release)
