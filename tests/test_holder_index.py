@@ -518,17 +518,21 @@ def test_a_fault_made_after_the_audit_is_met_in_the_same_step(
     consistent(pool)
 
 
-@pytest.mark.parametrize("door", ["own", "another pool's", "no weak reference", "none"])
+@pytest.mark.parametrize(
+    "door", ["own", "own, with a callback", "another pool's", "no weak reference", "none"]
+)
 def test_the_exit_finds_the_pools_index_by_its_door_or_its_table(
     queue_mod: ModuleType, door: str
 ) -> None:
-    """The free list's exit and a prefix hit read the pool's index through its queue's door,
-    else (no door, a door of another pool, or one whose pool is held by anything but a weak
-    reference, which is read, not called) through the table of indexes: the same index, the
-    same refusal, before anything moves."""
+    """The free list's exit and a prefix hit read the pool's index through its queue's door
+    (whichever weak reference to the pool it holds), else (no door, a door of another pool,
+    or one whose pool is held by anything but a weak reference, which is read, not called)
+    through the table of indexes: the same index, the same refusal, before anything moves."""
     for pool, manager in exit_pool(queue_mod, "raise", entry=door != "none"):
         other = make_pool(type(pool), queue_mod, 2, "raise")
-        if door == "another pool's":
+        if door == "own, with a callback":  # not the first of the pool's weak references
+            pool.free_block_queue.gate.pool = weakref.ref(pool, print)
+        elif door == "another pool's":
             pool.free_block_queue.gate.pool = weakref.ref(other)
         elif door == "no weak reference":
             pool.free_block_queue.gate.pool = lambda pool=pool: pool
