@@ -260,6 +260,9 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
     assert calls is not None
     steps = setup.workload.steps - setup.workload.warmup_steps
 
+    def per_call(run: tuple[str, bool]) -> list[float]:
+        return list(map(median, zip(*gaps[run], strict=True)))
+
     def ns_per_step(run: tuple[str, bool], probed: dict[Any, list[array[int]]] = gaps) -> float:
         return float(sum(map(median, zip(*probed[run], strict=True))) / steps)
 
@@ -267,9 +270,12 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
     for twin in TWINS:
         on, off = ns_per_step((twin, True)), ns_per_step((twin, False))
         per_method, blocks = dict.fromkeys(GUARDED, 0), dict.fromkeys(GUARDED, 0)
-        for i, n in zip(calls, sizes[twin], strict=True):
+        own: dict[str, float] = dict.fromkeys(GUARDED, 0.0)
+        gap_on, gap_off = per_call((twin, True)), per_call((twin, False))
+        for i, n, g_on, g_off in zip(calls, sizes[twin], gap_on, gap_off, strict=True):
             per_method[GUARDED[i]] += 1
             blocks[GUARDED[i]] += n
+            own[GUARDED[i]] += g_on - g_off
         out["twins"][twin] = {
             "guard_ns_per_step": on - off,
             "calls_ns_per_step": ns_per_step((twin, True), wholes)
@@ -278,6 +284,8 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
             - ns_per_step((twin, False), step_gaps),
             "shim_ns_per_call": off * steps / max(len(calls), 1),
             "calls_per_step": {m: k / steps for m, k in per_method.items() if k},
+            # The guard's own time by method, a call: where a change to it would show.
+            "guard_ns_per_call": {m: own[m] / k for m, k in per_method.items() if k},
             "blocks_per_step": {m: k / steps for m, k in blocks.items() if per_method[m]},
         }
     out["null_ns_per_step"] = ns_per_step(("python", False)) - ns_per_step(("cython", False))
@@ -379,12 +387,16 @@ def tables(data: dict[str, Any]) -> str:
                 ]
             )
             calls = ", ".join(f"{m} {k:.2f}" for m, k in probed[0]["calls_per_step"].items())
+            each = ", ".join(
+                f"{m} {median(c['guard_ns_per_call'][m] for c in probed):.0f}"
+                for m in probed[0]["calls_per_step"]
+            )
             screened = ", ".join(f"{m} {k:.1f}" for m, k in probed[0]["blocks_per_step"].items())
             guard.append(
                 f"| {wname} | {twin} | {interval(ratio)} | {interval(delta, 1)} "
                 f"| {interval(own, 2)} | {interval(whole, 2)} | {interval(audit, 2)} "
                 f"| {interval(share, 2)} "
-                f"| {interval(both, 2)} | {calls} | {screened} |"
+                f"| {interval(both, 2)} | {calls} | {each} | {screened} |"
             )
             shims.append(median(c["shim_ns_per_call"] for c in probed))
         null = bootstrap_median([c["null_ns_per_step"] / 1e3 for c in costs])
@@ -420,12 +432,13 @@ def tables(data: dict[str, Any]) -> str:
         "",
         "*audit µs/step*: the step guard's own time (the holder audit and its wrapper), probed "
         "as the guard's is, at the manager's `new_step_starts`, and its share of the step with "
-        "the guard on; *guard + audit*: their sum's share of that step.",
+        "the guard on; *guard + audit*: their sum's share of that step; *guard ns a call*: the "
+        "guard's own time by method, a call (the median over processes).",
         "",
         "| workload | twin | step, guard on / off | step Δ µs | guard µs/step "
         "| calls on less off µs/step | audit µs/step | audit % of step | guard + audit % of step "
-        "| guarded calls/step | blocks screened/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| guarded calls/step | guard ns a call | blocks screened/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *guard,
         "",
         "The probe's error: the null test (guard off, python's gaps less cython's, which should "
