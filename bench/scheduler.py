@@ -260,18 +260,18 @@ def probe_guard(recorded: dict[str, Any], reps: int, rng: random.Random) -> dict
     assert calls is not None
     steps = setup.workload.steps - setup.workload.warmup_steps
 
-    def per_call(run: tuple[str, bool]) -> list[float]:
-        return list(map(median, zip(*gaps[run], strict=True)))
+    def per_call(run: tuple[str, bool], probed: dict[Any, list[array[int]]] = gaps) -> list[float]:
+        return list(map(median, zip(*probed[run], strict=True)))
 
     def ns_per_step(run: tuple[str, bool], probed: dict[Any, list[array[int]]] = gaps) -> float:
-        return float(sum(map(median, zip(*probed[run], strict=True))) / steps)
+        return float(sum(per_call(run, probed)) / steps)
 
     out: dict[str, Any] = {"twins": {}}
     for twin in TWINS:
-        on, off = ns_per_step((twin, True)), ns_per_step((twin, False))
+        gap_on, gap_off = per_call((twin, True)), per_call((twin, False))
+        on, off = sum(gap_on) / steps, sum(gap_off) / steps
         per_method, blocks = dict.fromkeys(GUARDED, 0), dict.fromkeys(GUARDED, 0)
         own: dict[str, float] = dict.fromkeys(GUARDED, 0.0)
-        gap_on, gap_off = per_call((twin, True)), per_call((twin, False))
         for i, n, g_on, g_off in zip(calls, sizes[twin], gap_on, gap_off, strict=True):
             per_method[GUARDED[i]] += 1
             blocks[GUARDED[i]] += n

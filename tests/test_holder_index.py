@@ -530,7 +530,7 @@ def test_the_exit_finds_the_pools_index_by_its_door_or_its_table(
     through the table of indexes: the same index, the same refusal, before anything moves."""
     for pool, manager in exit_pool(queue_mod, "raise", entry=door != "none"):
         other = make_pool(type(pool), queue_mod, 2, "raise")
-        if door == "own, with a callback":  # not the first of the pool's weak references
+        if door == "own, with a callback":  # a reference of its own, not the pool's shared one
             pool.free_block_queue.gate.pool = weakref.ref(pool, print)
         elif door == "another pool's":
             pool.free_block_queue.gate.pool = weakref.ref(other)
